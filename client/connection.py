@@ -1,0 +1,408 @@
+"""The connection to the local kvd: a DEALER socket owned by one I/O thread.
+
+Callers on any thread hand messages to the I/O thread (a queue plus an eventfd wake-up)
+and wait on a future with a deadline. The I/O thread sends, receives, routes replies by
+request id, delivers pushed Done events, pings the daemon, and re-runs the handshake
+(Hello, then the saved Register) whenever the daemon restarts. While the daemon is
+unreachable the connection is *down*: every call fails at once with ``Unavailable``
+(a circuit breaker) instead of waiting, so an engine built on it never stalls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvd_client.errors import RemoteError, Timeout, Unavailable
+from kvd_proto import messages as m
+
+log = logging.getLogger("kvd_client")
+PR_SET_PTRACER = 0x59616D61
+
+
+@dataclass
+class ClientStats:
+    """Why calls did not reach the daemon (part of the API: fail-open needs counters)."""
+
+    sent: int = 0
+    timeouts: int = 0
+    unavailable: int = 0
+    remote_errors: int = 0
+    reconnects: int = 0
+    lost_transfers: int = 0
+
+
+class Connection:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        name: str = "",
+        timeout: float = 5.0,
+        ping_interval: float = 1.0,
+        transfer_timeout: float = 60.0,
+        on_done: Callable[[m.Done], None] | None = None,
+        on_ready: Callable[[m.Registered | None], None] | None = None,
+        register: m.Register | None = None,
+    ) -> None:
+        self.endpoint = f"ipc://{socket_path}"
+        self.name = name
+        self.timeout = timeout
+        self.ping_interval = ping_interval
+        self.transfer_timeout = transfer_timeout
+        self.on_done = on_done
+        self.on_ready = on_ready
+        self.stats = ClientStats()
+        self.daemon_pid = 0
+        self.instance = ""
+        self.registered: m.Registered | None = None
+        self._register: m.Register | None = register
+        self._req = itertools.count(1)
+        self._outbox: queue.SimpleQueue[tuple[m.Request, Future | None]] = queue.SimpleQueue()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._up = threading.Event()
+        self._closed = False
+        self._ctx = zmq.Context()
+        self._thread = threading.Thread(target=self._run, name="kvd-client-io", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API
+    @property
+    def up(self) -> bool:
+        """True while the handshake (and registration, if any) is complete."""
+        return self._up.is_set()
+
+    def next_req(self) -> int:
+        return next(self._req)
+
+    def wait_up(self, timeout: float) -> bool:
+        return self._up.wait(timeout)
+
+    def register(self, msg: m.Register, timeout: float | None = None) -> m.Registered:
+        """Join a tenant; replayed by itself after every reconnect."""
+        self._register = msg
+        if self._up.is_set() and self.registered is None:
+            reply = self.request(msgspec.structs.replace(msg, req=self.next_req()), timeout)
+            assert isinstance(reply, m.Registered)
+            self.registered = reply
+            return reply
+        if not self._up.wait(self.timeout if timeout is None else timeout):
+            raise Unavailable(f"kvd at {self.endpoint} did not accept the registration")
+        assert self.registered is not None
+        return self.registered
+
+    def submit(self, msg: m.Request) -> Future:
+        """Send now; the future gets the reply (or Unavailable / Timeout / RemoteError)."""
+        fut: Future = Future()
+        if not self._up.is_set():
+            self.stats.unavailable += 1
+            fut.set_exception(Unavailable(f"kvd at {self.endpoint} is not connected"))
+            return fut
+        self._outbox.put((msg, fut))
+        self._wakeup()
+        return fut
+
+    def request(self, msg: m.Request, timeout: float | None = None) -> m.Reply:
+        fut = self.submit(msg)
+        try:
+            return fut.result(self.timeout if timeout is None else timeout)
+        except FutureTimeout:
+            self.stats.timeouts += 1
+            fut.cancel()
+            raise Timeout(f"kvd did not answer {type(msg).__name__} in time") from None
+
+    def send(self, msg: m.Transfer) -> bool:
+        """Queue a Transfer; its Done reaches ``on_done`` (synthesized if the daemon
+        is lost). False when the connection is down: nothing was sent."""
+        if not self._up.is_set():
+            self.stats.unavailable += 1
+            return False
+        self._outbox.put((msg, None))
+        self._wakeup()
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wakeup()
+        self._thread.join(timeout=5)
+        os.close(self._wake)
+        self._ctx.term()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wakeup(self) -> None:
+        try:
+            os.eventfd_write(self._wake, 1)
+        except OSError:
+            pass  # closed
+
+    # ------------------------------------------------------------ I/O thread
+    def _run(self) -> None:
+        io = _IO(self)
+        try:
+            io.loop()
+        except Exception:  # noqa: BLE001 - the thread must not die silently
+            log.exception("kvd client I/O thread failed")
+        finally:
+            io.shutdown()
+
+
+class _IO:
+    """State owned by the I/O thread only."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.c = conn
+        self.sock: zmq.Socket | None = None
+        self.pending: dict[int, tuple[Future | None, float, str]] = {}
+        self.transfers: dict[int, tuple[m.Transfer, float]] = {}
+        self.phase = "down"  # down -> hello -> register -> up
+        self.handshake_req = 0
+        self.next_attempt = 0.0
+        self.backoff = 0.05
+        self.last_rx = time.monotonic()
+        self.ping_req = 0
+        self.ping_sent = 0.0
+        self.hello_sent = False
+
+    # ---------------------------------------------------------------- loop
+    def loop(self) -> None:
+        c = self.c
+        poller = zmq.Poller()
+        poller.register(c._wake, zmq.POLLIN)
+        while not c._closed:
+            now = time.monotonic()
+            if self.phase == "down" and now >= self.next_attempt:
+                self.connect(poller)
+            events = dict(poller.poll(self.poll_ms(now)))
+            if c._wake in events:
+                try:
+                    os.eventfd_read(c._wake)
+                except BlockingIOError:
+                    pass
+            self.flush_outbox()
+            if self.sock is not None:
+                while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self.receive(self.sock.recv(zmq.NOBLOCK))
+            self.timers(time.monotonic())
+
+    def poll_ms(self, now: float) -> int:
+        if self.phase == "down":
+            return max(1, int((self.next_attempt - now) * 1000))
+        if self.phase == "hello" and not self.hello_sent:
+            return 5
+        return 100
+
+    def connect(self, poller: zmq.Poller) -> None:
+        c = self.c
+        if self.sock is not None:
+            poller.unregister(self.sock)
+            self.sock.close(linger=0)
+        sock = c._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(c.endpoint)
+        poller.register(sock, zmq.POLLIN)
+        self.sock = sock
+        self.phase = "hello"
+        self.handshake_req = c.next_req()
+        self.last_rx = time.monotonic()
+        self.hello_sent = False
+        self.send_hello()
+
+    def send_hello(self) -> None:
+        # With IMMEDIATE the send fails until the pipe exists: retried from the loop.
+        self.hello_sent = self.raw_send(
+            m.Hello(self.handshake_req, m.PROTOCOL_VERSION, os.getpid(), self.c.name))
+
+    def raw_send(self, msg: m.Request) -> bool:
+        try:
+            assert self.sock is not None
+            self.sock.send(m.encode(msg), zmq.NOBLOCK)
+            self.c.stats.sent += 1
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def flush_outbox(self) -> None:
+        c = self.c
+        while True:
+            try:
+                msg, fut = c._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue
+            if self.phase != "up" or not self.raw_send(msg):
+                self.fail_one(msg, fut, Unavailable("kvd connection lost"))
+                continue
+            now = time.monotonic()
+            if isinstance(msg, m.Transfer):
+                self.transfers[msg.req] = (msg, now + c.transfer_timeout)
+            else:
+                self.pending[msg.req] = (fut, now + c.timeout * 2, type(msg).__name__)
+
+    def fail_one(self, msg: m.Request, fut: Future | None, err: Exception) -> None:
+        c = self.c
+        c.stats.unavailable += 1
+        if fut is not None:
+            fut.set_exception(err)
+        elif isinstance(msg, m.Transfer):
+            self.deliver(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE, str(err)))
+
+    def deliver(self, done: m.Done) -> None:
+        cb = self.c.on_done
+        if cb is not None:
+            try:
+                cb(done)
+            except Exception:  # noqa: BLE001 - a callback bug must not kill the I/O thread
+                log.exception("on_done callback failed")
+
+    def receive(self, data: bytes) -> None:
+        c = self.c
+        self.last_rx = time.monotonic()
+        try:
+            reply = m.decode_reply(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("undecodable reply from kvd dropped: %s", e)
+            return
+        if isinstance(reply, m.Done):
+            if self.transfers.pop(reply.req, None) is not None:
+                self.deliver(reply)
+            return
+        if reply.req == self.handshake_req and self.phase in ("hello", "register"):
+            self.handshake(reply)
+            return
+        if reply.req == self.ping_req:
+            self.ping_req = 0
+            if isinstance(reply, m.Error) and reply.code == m.Code.NOT_REGISTERED:
+                self.lost("kvd restarted")
+            return
+        entry = self.pending.pop(reply.req, None)
+        if entry is None:
+            return  # a late answer to a call that timed out
+        fut = entry[0]
+        if isinstance(reply, m.Error):
+            c.stats.remote_errors += 1
+            if reply.code == m.Code.NOT_REGISTERED:
+                self.lost("kvd forgot this client (restarted)")
+            if fut is not None:
+                fut.set_exception(RemoteError(reply.code, reply.message))
+        elif fut is not None:
+            fut.set_result(reply)
+
+    def handshake(self, reply: m.Reply) -> None:
+        c = self.c
+        if isinstance(reply, m.Error):
+            log.warning("kvd refused the handshake: %s", reply.message)
+            self.lost(f"refused: {reply.message}", quiet=True)
+            self.next_attempt = time.monotonic() + 5.0  # a refusal will not fix itself fast
+            return
+        if isinstance(reply, m.HelloOk):
+            if c.instance and c.instance != reply.instance:
+                c.stats.reconnects += 1
+            c.instance, c.daemon_pid = reply.instance, reply.daemon_pid
+            _allow_ptrace(reply.daemon_pid)
+            if c._register is None:
+                return self.ready(None)
+            self.phase = "register"
+            self.handshake_req = c.next_req()
+            reg = msgspec.structs.replace(c._register, req=self.handshake_req)
+            self.raw_send(reg)
+        elif isinstance(reply, m.Registered):
+            self.ready(reply)
+
+    def ready(self, reg: m.Registered | None) -> None:
+        c = self.c
+        self.phase = "up"
+        self.backoff = 0.05
+        c.registered = reg
+        c._up.set()
+        log.info("connected to kvd (pid %d) at %s", c.daemon_pid, c.endpoint)
+        if c.on_ready is not None:
+            try:
+                c.on_ready(reg)
+            except Exception:  # noqa: BLE001
+                log.exception("on_ready callback failed")
+
+    def lost(self, why: str, quiet: bool = False) -> None:
+        """Drop the connection: fail every waiting call and transfer, retry later."""
+        c = self.c
+        was_up = c._up.is_set()
+        c._up.clear()
+        self.phase = "down"
+        self.next_attempt = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, 2.0)
+        if was_up and not quiet:
+            log.warning("kvd connection lost (%s); serving without kvd until it is back", why)
+        for fut, _, _ in self.pending.values():
+            if fut is not None and not fut.done():
+                fut.set_exception(Unavailable(f"kvd connection lost: {why}"))
+        self.pending.clear()
+        for msg, _ in self.transfers.values():
+            c.stats.lost_transfers += 1
+            self.deliver(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE, f"kvd lost: {why}"))
+        self.transfers.clear()
+
+    def timers(self, now: float) -> None:
+        c = self.c
+        if self.phase in ("hello", "register"):
+            if self.phase == "hello" and not self.hello_sent:
+                self.send_hello()
+            if now - self.last_rx > c.timeout:
+                self.lost("handshake timed out", quiet=True)
+            return
+        if self.phase != "up":
+            return
+        expired = [r for r, (_, dl, _) in self.pending.items() if dl <= now]
+        for r in expired:
+            fut, _, what = self.pending.pop(r)
+            if fut is not None and not fut.done():
+                fut.set_exception(Timeout(f"kvd did not answer {what}"))
+        for r in [r for r, (_, dl) in self.transfers.items() if dl <= now]:
+            msg, _ = self.transfers.pop(r)
+            c.stats.lost_transfers += 1
+            self.deliver(m.Done(msg.req, msg.event, m.Code.TRANSFER_FAILED,
+                                "transfer timed out in kvd"))
+        idle = now - self.last_rx
+        if idle > c.ping_interval and self.ping_req == 0:
+            self.ping_req = c.next_req()
+            self.raw_send(m.Ping(self.ping_req))
+            self.ping_sent = now
+        elif self.ping_req and now - self.ping_sent > max(c.timeout, 2 * c.ping_interval):
+            self.ping_req = 0
+            self.lost("kvd stopped answering")
+
+    def shutdown(self) -> None:
+        self.lost("connection closed", quiet=True)
+        if self.sock is not None:
+            self.sock.close(linger=0)
+
+
+def _allow_ptrace(daemon_pid: int) -> None:
+    """Let the daemon read and write our memory where Yama restricts ptrace."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(daemon_pid), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

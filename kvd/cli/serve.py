@@ -1,0 +1,70 @@
+"""``kvd serve``: run the daemon in the foreground (systemd runs it the same way)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from kvd import __version__
+from kvd.config import load
+from kvd.errors import KvdError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvd", description="Per-node KV-cache offload daemon.")
+    p.add_argument("--version", action="version", version=f"kvd {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the daemon in the foreground")
+    s.add_argument("--config", metavar="FILE", help="TOML config file (also KVD_CONFIG)")
+    s.add_argument("--socket", metavar="PATH", help="ipc socket path (KVD_SOCKET)")
+    s.add_argument("--pool-size", metavar="SIZE", help="pool size, e.g. 512M, 64G")
+    s.add_argument("--pool-path", metavar="PATH", help="shared-memory pool file")
+    s.add_argument("--extent-size", metavar="SIZE", help="allocation extent size")
+    s.add_argument("--policy", metavar="NAME", help="eviction policy")
+    s.add_argument("--copy-threads", type=int, metavar="N", help="copy threads")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
+                   help="do not fault the pool in at start")
+    s.add_argument("--mlock", action="store_const", const=True, help="lock the pool in RAM")
+    return p
+
+
+def setup_logging(level: str) -> None:
+    # One event per line, no colour: journald adds its own timestamps and levels.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if sys.stderr.isatty():
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        config, _ = load(args.config, flags=flags)
+    except KvdError as e:
+        print(f"kvd: {e}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level)
+    try:
+        import uvloop
+
+        uvloop.run(_serve(config))
+    except KvdError as e:
+        logging.getLogger("kvd").error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _serve(config) -> None:
+    from kvd.server import serve
+
+    await serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The daemon's configuration: one frozen object, built from defaults < TOML file < KVD_*
+environment variables < command-line flags, validated by msgspec.
+
+An unknown key or a bad value is rejected with a message naming the key and where it
+came from; sizes accept suffixes (``512M``, ``4G``, ``1T``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from kvd.errors import ConfigError
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+def default_socket() -> str:
+    """$XDG_RUNTIME_DIR/kvd/kvd.sock, else /tmp/kvd-$UID/kvd.sock."""
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    base = os.path.join(run, "kvd") if run else f"/tmp/kvd-{os.getuid()}"
+    return os.path.join(base, "kvd.sock")
+
+
+def default_pool_path() -> str:
+    return f"/dev/shm/kvd-{os.getuid()}.pool"
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    socket: str = msgspec.field(default_factory=default_socket)
+    socket_mode: int = 0o660  # owner and group may connect
+    pool_size: int = 512 * 1024**2
+    pool_path: str = msgspec.field(default_factory=default_pool_path)
+    extent_size: int = 64 * 1024**2
+    min_slot_bytes: int = 4096
+    prefault: bool = True
+    mlock: bool = False
+    policy: str = ""  # empty: the registry's default
+    copy_threads: int = 2
+    max_lease_ms: int = 120_000
+    max_pending_ms: int = 600_000
+    max_keys_per_request: int = 65_536
+    log_level: LogLevel = "info"
+
+    def __post_init__(self) -> None:
+        if self.pool_size < self.extent_size:
+            raise ValueError(
+                f"pool_size ({self.pool_size}) is smaller than extent_size ({self.extent_size})"
+            )
+        if self.copy_threads < 1:
+            raise ValueError("copy_threads must be at least 1")
+        if self.min_slot_bytes < 64:
+            raise ValueError("min_slot_bytes must be at least 64")
+
+
+FIELDS = frozenset(Config.__struct_fields__)
+SIZE_KEYS = frozenset({"pool_size", "extent_size", "min_slot_bytes"})
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str | int) -> int:
+    """'512M' -> 536870912; ints pass through."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512M, 4G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _normalize(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        k = key.replace("-", "_")
+        if k not in FIELDS:
+            raise ConfigError(f"{source}: unknown key {key!r}")
+        if k in SIZE_KEYS:
+            try:
+                value = parse_size(value)
+            except ValueError as e:
+                raise ConfigError(f"{source}: {key}: {e}") from None
+        out[k] = value
+    return out
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """KVD_POOL_SIZE=4G -> {'pool_size': '4G'}; KVD_* names that are not keys are errors."""
+    raw = {
+        k[4:].lower(): v
+        for k, v in environ.items()
+        if k.startswith("KVD_") and k != "KVD_CONFIG"
+    }
+    return raw
+
+
+def load(
+    file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> tuple[Config, dict[str, str]]:
+    """The effective config and, per key, where its value came from."""
+    environ = os.environ if environ is None else environ
+    file = file or environ.get("KVD_CONFIG")
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if file:
+        try:
+            with open(file, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {file}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{file}: not valid TOML: {e}") from None
+        layers.append((f"file {file}", _normalize(data, f"config file {file}")))
+    layers.append(("env", _normalize(env_values(environ), "environment (KVD_*)")))
+    layers.append(("flag", _normalize({k: v for k, v in (flags or {}).items() if v is not None},
+                                      "command line")))
+    merged: dict[str, Any] = {}
+    origin = {k: "default" for k in FIELDS}
+    for source, values in layers:
+        merged.update(values)
+        origin.update({k: source for k in values})
+    try:
+        cfg = msgspec.convert(merged, Config, strict=False)
+    except msgspec.ValidationError as e:
+        # msgspec names the key as `$.key`; say where the value came from as well.
+        m = re.search(r"\$\.(\w+)", str(e))
+        where = f" (from {origin[m.group(1)]})" if m and m.group(1) in origin else ""
+        raise ConfigError(f"invalid configuration: {e}{where}") from None
+    return cfg, origin

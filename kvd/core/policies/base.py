@@ -1,0 +1,85 @@
+"""The eviction-policy interface and its registry."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator, Sequence
+from typing import ClassVar
+
+Key = Hashable
+
+
+class EvictionPolicy(ABC):
+    """Orders READY blocks for eviction.
+
+    Contract (the index is the only caller, single-threaded):
+    - ``insert(key, depth)`` when a block becomes READY; ``depth`` is its position in
+      its request's prefix chain (0 = first block). A key is never inserted twice
+      without a ``remove``/``evicted`` in between.
+    - ``touch(keys, depth)`` on a hit, keys in prefix order, ``keys[0]`` at ``depth``.
+      Only keys currently inserted are passed.
+    - ``victims()`` yields inserted keys, best victim first, without changing state.
+      The caller may skip keys it cannot evict (pinned) and stops early; it must not
+      call other methods while iterating.
+    - ``evicted(key)`` after the caller evicted a key that ``victims()`` offered;
+      ``remove(key)`` when a key leaves for another reason (flush, failed checksum).
+    - ``capacity`` is the cache size in blocks; ``set_capacity`` may change it.
+    - No I/O, no clock: the same calls give the same decisions (the simulator relies
+      on it).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+
+    @abstractmethod
+    def insert(self, key: Key, depth: int = 0) -> None: ...
+
+    @abstractmethod
+    def touch(self, keys: Sequence[Key], depth: int = 0) -> None: ...
+
+    @abstractmethod
+    def remove(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def victims(self) -> Iterator[Key]: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def evicted(self, key: Key) -> None:
+        self.remove(key)
+
+    def set_capacity(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+
+
+# name -> "module:Class", imported lazily so the registry never drags code in.
+_REGISTRY: dict[str, str] = {
+    "lru": "kvd.core.policies.lru:LRUPolicy",
+    "arc": "kvd.core.policies.arc:ARCPolicy",
+    "s3fifo": "kvd.core.policies.s3fifo:S3FIFOPolicy",
+}
+DEFAULT_POLICY = "lru"
+
+
+def register_policy(name: str, target: str) -> None:
+    _REGISTRY[name] = target
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Build a policy by registry name; ValueError names the known ones."""
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; known: {', '.join(policy_names())}"
+        ) from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)(capacity)

@@ -1,0 +1,33 @@
+"""Least recently used: vLLM's LRU semantics (a hit moves the block to the MRU end)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+
+from kvd.core.policies.base import EvictionPolicy, Key
+
+
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key, depth: int = 0) -> None:
+        self._order[key] = None
+
+    def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
+        # As vLLM: the head of the prefix ends most recent, so tails go first.
+        # deque(maxlen=0) runs the moves in C: no Python loop per key.
+        deque(map(self._order.move_to_end, reversed(keys)), maxlen=0)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[Key]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)

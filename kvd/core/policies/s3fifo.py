@@ -1,0 +1,139 @@
+"""S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO, a ghost.
+
+New keys enter the small FIFO (10% of capacity); most one-hit wonders leave from
+there without disturbing the main FIFO. A key reused while in the small FIFO moves
+to the main FIFO when it reaches the small FIFO's end; the main FIFO is a 2-bit
+CLOCK (a reused key goes round again with its counter decremented). Keys evicted
+from the small FIFO are remembered in a ghost FIFO; a ghost key that is stored again
+goes straight to the main FIFO.
+
+``victims()`` must not change state, yet the promotions and CLOCK rotations are what
+makes each eviction O(1) amortized. So every mutating call ends by ``_settle``, doing
+that bookkeeping for real until the next victim sits at the end of its queue;
+``victims()`` replays the same rules on a scratch copy only past that first victim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+
+from kvd.core.policies.base import EvictionPolicy, Key
+
+SMALL_RATIO = 0.10
+GHOST_RATIO = 0.90
+MAX_FREQ = 3
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    name = "s3fifo"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.small: OrderedDict[Key, None] = OrderedDict()  # oldest first
+        self.main: OrderedDict[Key, None] = OrderedDict()
+        self.ghost: OrderedDict[Key, None] = OrderedDict()
+        self.freq: dict[Key, int] = {}
+        self._sizes()
+
+    def _sizes(self) -> None:
+        self.small_cap = max(1, int(self.capacity * SMALL_RATIO))
+        self.ghost_cap = max(1, int(self.capacity * GHOST_RATIO))
+
+    # ------------------------------------------------------------ updates
+    def insert(self, key: Key, depth: int = 0) -> None:
+        self.freq[key] = 0
+        if key in self.ghost:
+            del self.ghost[key]
+            self.main[key] = None
+        else:
+            self.small[key] = None
+        self._settle()
+
+    def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
+        freq = self.freq
+        for key in keys:
+            f = freq[key]
+            if f < MAX_FREQ:
+                freq[key] = f + 1
+        self._settle()
+
+    def remove(self, key: Key) -> None:
+        if self.freq.pop(key, None) is None:
+            return
+        if key in self.small:
+            del self.small[key]
+        else:
+            del self.main[key]
+        self._settle()
+
+    def evicted(self, key: Key) -> None:
+        from_small = key in self.small
+        self.remove(key)
+        if from_small:
+            self.ghost[key] = None
+            if len(self.ghost) > self.ghost_cap:
+                self.ghost.popitem(last=False)
+
+    def set_capacity(self, capacity: int) -> None:
+        super().set_capacity(capacity)
+        self._sizes()
+        while len(self.ghost) > self.ghost_cap:
+            self.ghost.popitem(last=False)
+        self._settle()
+
+    def _from_small(self, small_len: int, main_len: int) -> bool:
+        return small_len > 0 and (small_len >= self.small_cap or main_len == 0)
+
+    def _settle(self) -> None:
+        """Promote and rotate for real until the next victim is at a queue's end."""
+        if len(self.freq) < self.capacity:
+            return  # no eviction is due; S3-FIFO only reorganizes when evicting
+        small, main, freq = self.small, self.main, self.freq
+        while small or main:
+            if self._from_small(len(small), len(main)):
+                key = next(iter(small))
+                if freq[key] < 1:
+                    return
+                del small[key]
+                freq[key] = 0
+                main[key] = None
+            else:
+                key = next(iter(main))
+                f = freq[key]
+                if f == 0:
+                    return
+                freq[key] = f - 1
+                main.move_to_end(key)
+
+    # ------------------------------------------------------------ queries
+    def victims(self) -> Iterator[Key]:
+        freq = self.freq
+        small_it, main_it = iter(self.small), iter(self.main)
+        small_len, main_len = len(self.small), len(self.main)
+        requeued: deque[tuple[Key, int]] = deque()  # scratch tail of the main FIFO
+        main_orig = main_len
+        while small_len or main_len:
+            if self._from_small(small_len, main_len):
+                key = next(small_it)
+                small_len -= 1
+                if freq[key] >= 1:
+                    requeued.append((key, 0))
+                    main_len += 1
+                    continue
+            else:
+                main_len -= 1
+                if main_orig:
+                    main_orig -= 1
+                    key = next(main_it)
+                    f = freq[key]
+                else:
+                    key, f = requeued.popleft()
+                if f:
+                    requeued.append((key, f - 1))
+                    main_len += 1
+                    continue
+            yield key
+
+    def __len__(self) -> int:
+        return len(self.freq)

@@ -1,0 +1,92 @@
+"""Tenants: engines whose blocks are interchangeable share one namespace.
+
+A tenant is named by a digest of its fingerprint (model, dtypes, per-rank KV layout,
+block tokens, TP size, hash algorithm and root hash). Different fingerprints never see
+each other's blocks because every index key is prefixed with the tenant id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TenantError(ValueError):
+    """A fingerprint that cannot be served (bad sizes, too many tenants)."""
+
+
+def fingerprint_digest(fields: dict[str, Any]) -> str:
+    """Stable digest of a fingerprint's fields (order-independent)."""
+    h = hashlib.sha256()
+    for name in sorted(fields):
+        value = fields[name]
+        h.update(name.encode())
+        h.update(b"=")
+        h.update(value if isinstance(value, bytes) else repr(value).encode())
+        h.update(b";")
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Tenant:
+    id: int
+    digest: str
+    model: str
+    tp_size: int
+    rank_page_bytes: tuple[int, ...]
+    prefix: bytes = b""
+    rank_bytes: int = 0
+    slot_bytes: int = 0
+    page_offsets: tuple[int, ...] = ()  # offset of each tensor's page inside a rank's share
+    blocks: int = 0  # READY blocks held
+    full_mask: int = 0  # all ranks stored
+    clients: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.tp_size > 64:
+            raise TenantError(f"tensor-parallel size {self.tp_size} not in 1..64")
+        if not self.rank_page_bytes or min(self.rank_page_bytes) <= 0:
+            raise TenantError("a fingerprint needs positive page sizes for every tensor")
+        self.prefix = self.id.to_bytes(4, "little")
+        self.rank_bytes = sum(self.rank_page_bytes)
+        self.slot_bytes = self.rank_bytes * self.tp_size
+        offs, acc = [], 0
+        for p in self.rank_page_bytes:
+            offs.append(acc)
+            acc += p
+        self.page_offsets = tuple(offs)
+        self.full_mask = (1 << self.tp_size) - 1
+
+
+class Tenants:
+    """Fingerprint digest -> Tenant; ids are small integers, never reused in a run."""
+
+    def __init__(self, max_tenants: int = 1024) -> None:
+        self._by_digest: dict[str, Tenant] = {}
+        self._by_id: dict[int, Tenant] = {}
+        self._next = 1
+        self.max_tenants = max_tenants
+
+    def get_or_create(
+        self, digest: str, *, model: str, tp_size: int, rank_page_bytes: tuple[int, ...]
+    ) -> Tenant:
+        t = self._by_digest.get(digest)
+        if t is not None:
+            return t
+        if len(self._by_digest) >= self.max_tenants:
+            raise TenantError(f"tenant limit ({self.max_tenants}) reached")
+        t = Tenant(self._next, digest, model, tp_size, tuple(rank_page_bytes))
+        self._next += 1
+        self._by_digest[digest] = t
+        self._by_id[t.id] = t
+        return t
+
+    def get(self, tenant_id: int) -> Tenant | None:
+        return self._by_id.get(tenant_id)
+
+    def __iter__(self):
+        return iter(self._by_id.values())
+
+    def __len__(self) -> int:
+        return len(self._by_id)

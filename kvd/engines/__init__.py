@@ -1,0 +1,1 @@
+"""Transfer engines: threads that move bytes and report back to the event loop."""

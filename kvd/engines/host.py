@@ -1,0 +1,171 @@
+"""Host data path: cross-memory attach (process_vm_readv / process_vm_writev).
+
+The daemon reads a client's pages straight into pool slots (store) and writes pool
+slots straight into the client's pages (load). iovec arrays come from numpy, at most
+IOV_MAX entries per system call. A job is cut into chunks that the worker threads
+share, so one large transfer uses every copy thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.engines.base import CopyJob, DoneCallback, TransferEngine, coalesce
+from kvd.errors import TransferError
+from kvd_proto.messages import Code, Direction
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+CHUNK_BYTES = 4 * 1024 * 1024  # split jobs so threads share big transfers
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_vm_readv = _libc.process_vm_readv
+_vm_writev = _libc.process_vm_writev
+for _f in (_vm_readv, _vm_writev):
+    _f.restype = ctypes.c_ssize_t
+    _f.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+
+
+def vm_copy(direction: Direction, pid: int, pool: np.ndarray, remote: np.ndarray,
+            lengths: np.ndarray) -> int:
+    """Copy one batch (any size) between this process's pool and ``pid``; returns bytes.
+
+    Raises TransferError with a code saying why (permission, process gone, bad address).
+    """
+    fn = _vm_readv if direction == Direction.STORE else _vm_writev
+    n = len(lengths)
+    local = np.empty((n, 2), dtype=np.uint64)
+    local[:, 0] = pool
+    local[:, 1] = lengths
+    far = np.empty((n, 2), dtype=np.uint64)
+    far[:, 0] = remote
+    far[:, 1] = lengths
+    done = 0
+    for lo in range(0, n, IOV_MAX):
+        hi = min(n, lo + IOV_MAX)
+        want = int(lengths[lo:hi].sum())
+        got = fn(pid, local[lo:].ctypes.data, hi - lo, far[lo:].ctypes.data, hi - lo, 0)
+        if got < 0:
+            raise _os_error(ctypes.get_errno(), pid)
+        if got != want:
+            # A partial copy means part of the remote range is not mapped.
+            raise TransferError(
+                f"short copy with pid {pid}: {got} of {want} bytes (unmapped client memory?)",
+                Code.TRANSFER_FAILED,
+            )
+        done += got
+    return done
+
+
+def _os_error(err: int, pid: int) -> TransferError:
+    if err == errno.EPERM:
+        return TransferError(
+            f"no permission to access the memory of pid {pid}: the client must run as the "
+            "daemon's user or call prctl(PR_SET_PTRACER, daemon_pid) (kvd_client does), "
+            "and the daemon needs CAP_SYS_PTRACE where Yama ptrace_scope is 2",
+            Code.PERMISSION,
+        )
+    if err == errno.ESRCH:
+        return TransferError(f"client process {pid} is gone", Code.CLIENT_GONE)
+    if err == errno.EFAULT:
+        return TransferError(f"bad address in the memory of pid {pid}", Code.TRANSFER_FAILED)
+    return TransferError(f"copy with pid {pid} failed: {os.strerror(err)}", Code.TRANSFER_FAILED)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    job: CopyJob
+    lo: int
+    hi: int
+    state: _JobState
+
+
+@dataclass(eq=False)
+class _JobState:
+    remaining: int
+    started: float
+    error: Exception | None = None
+
+
+class HostEngine(TransferEngine):
+    name = "host"
+
+    def __init__(self, on_done: DoneCallback, threads: int = 2) -> None:
+        super().__init__(on_done)
+        self._q: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvd-copy-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: CopyJob) -> None:
+        pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
+        job.pool, job.remote, job.lengths = pool, remote, lengths
+        # Cut into chunks of about CHUNK_BYTES (never more than IOV_MAX segments).
+        csum = np.cumsum(lengths)
+        total = int(csum[-1]) if len(csum) else 0
+        cuts = [0]
+        if total > CHUNK_BYTES:
+            marks = np.arange(CHUNK_BYTES, total, CHUNK_BYTES, dtype=np.uint64)
+            cuts += [int(c) for c in np.unique(np.searchsorted(csum, marks, side="right"))
+                     if 0 < c < len(lengths)]
+        cuts.append(len(lengths))
+        bounds = []
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            bounds += [(a, min(hi, a + IOV_MAX)) for a in range(lo, hi, IOV_MAX)]
+        if not bounds:
+            bounds = [(0, 0)]
+        state = _JobState(len(bounds), time.perf_counter())
+        with self._lock:
+            if self._closed:
+                self.on_done(job, TransferError("daemon is stopping", Code.ABORTED), 0.0)
+                return
+            for lo, hi in bounds:
+                self._q.put(_Chunk(job, lo, hi, state))
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._q.get()
+            if chunk is None:
+                return
+            job, st = chunk.job, chunk.state
+            err: Exception | None = None
+            if st.error is None and chunk.hi > chunk.lo:
+                try:
+                    vm_copy(job.direction, job.pid, job.pool[chunk.lo:chunk.hi],
+                            job.remote[chunk.lo:chunk.hi], job.lengths[chunk.lo:chunk.hi])
+                except Exception as e:  # noqa: BLE001 - reported to the client as Done
+                    err = e
+            with self._lock:
+                if err is not None and st.error is None:
+                    st.error = err
+                st.remaining -= 1
+                last = st.remaining == 0
+            if last:
+                self.on_done(job, st.error, time.perf_counter() - st.started)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)

@@ -1,0 +1,46 @@
+"""The daemon's one error root, subclassed by what the caller should do next.
+
+    KvdError
+    ├── RequestError        the request is wrong: answer it with a typed error
+    │   ├── NotRegistered
+    │   └── BadIds
+    ├── NoSpace             degrade: the pool cannot take more right now
+    └── TransferError       a copy failed (permission, client gone, bad address)
+"""
+
+from __future__ import annotations
+
+from kvd_proto.messages import Code
+
+
+class KvdError(Exception):
+    code: Code = Code.INTERNAL
+
+    def __init__(self, message: str, code: Code | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class RequestError(KvdError):
+    code = Code.BAD_REQUEST
+
+
+class NotRegistered(RequestError):
+    code = Code.NOT_REGISTERED
+
+
+class BadIds(RequestError):
+    code = Code.BAD_IDS
+
+
+class NoSpace(KvdError):
+    code = Code.NO_SPACE
+
+
+class TransferError(KvdError):
+    code = Code.TRANSFER_FAILED
+
+
+class ConfigError(KvdError):
+    code = Code.BAD_REQUEST

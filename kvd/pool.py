@@ -1,0 +1,75 @@
+"""The pool: one shared-memory file mapped by the daemon.
+
+Copies address it by absolute pointer (``base``), so it is mapped once for the life
+of the daemon. Pages are faulted in up front (MADV_POPULATE_WRITE, falling back to a
+write per page) so the first stores do not pay for page faults; mlock is optional.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+
+import numpy as np
+
+from kvd.errors import ConfigError
+
+log = logging.getLogger("kvd.pool")
+MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Pool:
+    def __init__(self, path: str, size: int, *, prefault: bool = True, lock: bool = False):
+        self.path = path
+        self.size = size
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise ConfigError(f"cannot open pool file {path}: {e.strerror}") from None
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot size pool file {path} to {size} bytes: {e.strerror} "
+                "(is /dev/shm large enough?)"
+            ) from None
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.base = self.array.ctypes.data
+        if prefault:
+            self._prefault()
+        self.locked = lock and self._mlock()
+
+    def _prefault(self) -> None:
+        rc = _libc.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size),
+                           MADV_POPULATE_WRITE)
+        if rc != 0:  # kernels before 5.14: touch every page instead
+            self.array[:: mmap.PAGESIZE] = 0
+
+    def _mlock(self) -> bool:
+        if _libc.mlock(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size)) == 0:
+            return True
+        log.warning("pool not locked in RAM: mlock failed (%s); raise LimitMEMLOCK",
+                    os.strerror(ctypes.get_errno()))
+        return False
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.array[offset:offset + nbytes]
+
+    def close(self, unlink: bool = True) -> None:
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

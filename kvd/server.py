@@ -1,0 +1,179 @@
+"""The event loop and the ROUTER socket.
+
+One uvloop loop owns all daemon state. A synchronous zmq ROUTER socket is driven by
+``loop.add_reader`` on its FD (faster here than zmq.asyncio); the FD is edge-triggered,
+so the socket is drained until EVENTS has no POLLIN, and again after every send. Copy
+threads report through ``call_soon_threadsafe``; clients' pids are watched with pidfds
+so a client that dies releases its leases and pending stores at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import stat
+
+import msgspec
+import zmq
+
+from kvd.config import Config
+from kvd.engines.base import CopyJob
+from kvd.engines.host import HostEngine
+from kvd.errors import ConfigError
+from kvd.pool import Pool
+from kvd.service import Client, Service
+from kvd_proto import messages as m
+
+log = logging.getLogger("kvd.server")
+TICK_S = 0.25
+
+
+def peer_pid(frame: zmq.Frame) -> int:
+    """The sender's pid from ZeroMQ's Peer-Address (``localhost:uid:gid:pid`` on ipc)."""
+    try:
+        return int(frame.get("Peer-Address").rsplit(":", 1)[1])
+    except (zmq.ZMQError, ValueError, IndexError, AttributeError):
+        return 0
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
+                         lock=config.mlock)
+        host = HostEngine(self._engine_done, threads=config.copy_threads)
+        self.engines = {"host": host}
+        self.service = Service(config, self.pool, self.engines, self._send)
+        self.service.on_client = self._watch
+        self._pidfds: dict[int, int] = {}  # pid -> pidfd
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self._bind()
+
+    def _bind(self) -> None:
+        path = self.config.socket
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, mode=0o770, exist_ok=True)
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise ConfigError(f"{path} exists and is not a socket")
+            os.unlink(path)  # a stale socket of a dead daemon
+        try:
+            self.sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as e:
+            raise ConfigError(f"cannot bind {path}: {e}") from None
+        os.chmod(path, self.config.socket_mode)
+
+    # ------------------------------------------------------------ socket
+    def _send(self, identity: bytes, reply: m.Reply) -> None:
+        try:
+            self.sock.send_multipart([identity, m.encode(reply)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("reply to a vanished peer dropped: %s", e)
+        self.loop.call_soon(self._drain)  # sending can swallow the FD's edge
+
+    def _drain(self) -> None:
+        sock, service = self.sock, self.service
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            if len(frames) != 2:
+                reply: m.Reply | None = service.error(0, m.Code.BAD_REQUEST,
+                                                      f"expected 1 frame, got {len(frames) - 1}")
+            else:
+                data = frames[1].buffer
+                try:
+                    msg = m.decode_request(data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    reply = service.error(m.peek_req(data), m.Code.BAD_REQUEST,
+                                          f"malformed message: {e}")
+                else:
+                    try:
+                        reply = service.handle(identity, peer_pid(frames[1]), msg)
+                    except Exception as e:  # noqa: BLE001 - no input may crash the daemon
+                        log.exception("internal error on %s", type(msg).__name__)
+                        reply = service.error(getattr(msg, "req", 0), m.Code.INTERNAL,
+                                              f"internal error: {e}")
+            if reply is not None:
+                try:
+                    sock.send_multipart([identity, m.encode(reply)], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    # ------------------------------------------------------------ engines
+    def _engine_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
+        self.loop.call_soon_threadsafe(self._copy_done, job, error, seconds)
+
+    def _copy_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
+        self.service.copy_done(job, error, seconds)
+
+    # ------------------------------------------------------------ liveness
+    def _watch(self, client: Client) -> None:
+        pid = client.pid
+        if pid <= 0 or pid in self._pidfds:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return  # not our namespace or already gone; deadlines still clean up
+        self._pidfds[pid] = fd
+        self.loop.add_reader(fd, self._pid_exited, pid)
+
+    def _pid_exited(self, pid: int) -> None:
+        fd = self._pidfds.pop(pid, None)
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        for identity in self.service.client_by_pid(pid):
+            self.service.client_gone(identity)
+
+    def _tick(self) -> None:
+        self.service.tick()
+        if not self.stopping.is_set():
+            self.loop.call_later(TICK_S, self._tick)
+
+    # ------------------------------------------------------------ run
+    async def run(self) -> None:
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self.stopping.set)
+        self.loop.call_later(TICK_S, self._tick)
+        self._drain()
+        log.info("kvd serving on %s: pool %d MiB at %s, policy %s, pid %d",
+                 self.config.socket, self.config.pool_size >> 20, self.config.pool_path,
+                 self.service.policy_name, os.getpid())
+        await self.stopping.wait()
+        log.info("kvd stopping")
+        self.close()
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        for engine in self.engines.values():
+            engine.close()
+        for fd in self._pidfds.values():
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        self._pidfds.clear()
+        self.sock.close(linger=0)
+        try:
+            os.unlink(self.config.socket)
+        except FileNotFoundError:
+            pass
+        self.pool.close(unlink=True)
+
+
+async def serve(config: Config) -> None:
+    server = Server(config)
+    await server.run()

@@ -1,0 +1,358 @@
+"""Turns requests into core operations and copy jobs.
+
+Runs on the event loop only (no locks). ``handle`` answers every request at once,
+except Transfer, whose Done is pushed by ``copy_done`` when the engine finished.
+Every input is validated; a bad one gets a typed Error and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvd.config import Config
+from kvd.core.allocator import Allocator, AllocatorError
+from kvd.core.index import PENDING, READY, Index
+from kvd.core.policies import DEFAULT_POLICY, make_policy
+from kvd.core.tenants import Tenant, TenantError, Tenants, fingerprint_digest
+from kvd.engines.base import CopyJob, TransferEngine
+from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
+from kvd.pool import Pool
+from kvd_proto import messages as m
+from kvd_proto.ids import pack_u32, unpack_u32
+
+log = logging.getLogger("kvd.service")
+Send = Callable[[bytes, m.Reply], None]
+
+
+@dataclass(eq=False)
+class Client:
+    id: int
+    identity: bytes
+    pid: int
+    name: str = ""
+    tenant: Tenant | None = None
+    rank: int = -1
+    engine: TransferEngine | None = None
+    bases: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    strides: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    num_blocks: int = 0
+    inflight: int = 0
+    gone: bool = False
+    requests: int = 0
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    errors: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    failed_transfers: int = 0
+
+
+class Service:
+    def __init__(self, config: Config, pool: Pool, engines: dict[str, TransferEngine],
+                 send: Send, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.pool = pool
+        self.engines = engines
+        self.send = send
+        self.clock = clock
+        self.instance = uuid.uuid4().hex
+        self.started = time.time()
+        alloc = Allocator(config.pool_size, config.extent_size, config.min_slot_bytes)
+        policy = make_policy(config.policy or DEFAULT_POLICY, alloc.max_slots)
+        self.policy_name = policy.name
+        self.index = Index(alloc, policy)
+        self.tenants = Tenants()
+        self.clients: dict[bytes, Client] = {}
+        self.counters = Counters()
+        self._next_client = 1
+        self.on_client = None  # set by the server: watch a new client's pid
+
+    # ------------------------------------------------------------ dispatch
+    def handle(self, identity: bytes, pid: int, msg: m.Request) -> m.Reply | None:
+        self.counters.requests += 1
+        try:
+            if isinstance(msg, m.Hello):
+                return self._hello(identity, pid, msg)
+            client = self.clients.get(identity)
+            if client is None:
+                raise NotRegistered("send Hello first (the daemon may have restarted)")
+            client.requests += 1
+            if isinstance(msg, m.Transfer):
+                return self._transfer(client, msg)
+            if isinstance(msg, m.Ping):
+                return m.Ok(msg.req)
+            if isinstance(msg, m.Stats):
+                return m.StatsOk(msg.req, msgspec.json.encode(self.status()))
+            if isinstance(msg, m.Register):
+                return self._register(client, msg)
+            tenant = client.tenant
+            if tenant is None:
+                raise NotRegistered("send Register first")
+            if isinstance(msg, m.Lookup):
+                return self._lookup(client, tenant, msg)
+            if isinstance(msg, m.Allocate):
+                return self._allocate(client, tenant, msg)
+            if isinstance(msg, m.Release):
+                return self._release(client, msg)
+            if isinstance(msg, m.Abort):
+                slots = self._own_slots(tenant, msg.slots, PENDING)
+                return m.Ok(msg.req, self.index.abort(slots))
+            if isinstance(msg, m.Evict):
+                target = None if msg.tenant == -1 else self.tenants.get(msg.tenant)
+                if msg.tenant != -1 and target is None:
+                    raise RequestError(f"no tenant {msg.tenant}")
+                return m.Ok(msg.req, self.index.evict_tenant(target))
+            raise RequestError(f"unexpected message {type(msg).__name__}")
+        except KvdError as e:
+            self.counters.errors += 1
+            return m.Error(msg.req, e.code, str(e))
+
+    def error(self, req: int, code: m.Code, message: str) -> m.Error:
+        self.counters.errors += 1
+        return m.Error(req, code, message)
+
+    # ------------------------------------------------------------ handshake
+    def _hello(self, identity: bytes, pid: int, msg: m.Hello) -> m.Reply:
+        if msg.version != m.PROTOCOL_VERSION:
+            raise KvdError(
+                f"protocol version mismatch: client speaks {msg.version}, "
+                f"daemon speaks {m.PROTOCOL_VERSION}; upgrade the older side",
+                m.Code.VERSION_MISMATCH,
+            )
+        old = self.clients.get(identity)
+        if old is not None:
+            self.client_gone(identity)
+        client = Client(self._next_client, identity, pid or msg.pid, msg.name)
+        self._next_client += 1
+        self.clients[identity] = client
+        if self.on_client is not None:
+            self.on_client(client)
+        return m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), self.instance, client.id)
+
+    def _register(self, client: Client, msg: m.Register) -> m.Reply:
+        fp = msg.fingerprint
+        if client.tenant is not None:
+            raise RequestError("already registered; open a new connection to re-register")
+        if not 0 <= fp.pp_rank < 1024 or not -1 <= msg.rank < fp.tp_size:
+            raise RequestError(f"rank {msg.rank} not in -1..{fp.tp_size - 1}")
+        digest = fingerprint_digest(msgspec.structs.asdict(fp))
+        try:
+            tenant = self.tenants.get_or_create(
+                digest, model=fp.model, tp_size=fp.tp_size,
+                rank_page_bytes=tuple(fp.rank_page_bytes))
+            self.index.allocator.check_slot_bytes(tenant.slot_bytes)
+        except (TenantError, AllocatorError) as e:
+            raise RequestError(str(e)) from None
+        if msg.rank >= 0:
+            self._attach_memory(client, tenant, msg)
+        client.tenant, client.rank = tenant, msg.rank
+        tenant.clients.add(client.id)
+        log.info("client %d (pid %d, %s) joined tenant %d (%s) as rank %d", client.id,
+                 client.pid, client.name or "-", tenant.id, tenant.model, msg.rank)
+        return m.Registered(msg.req, tenant.id, tenant.slot_bytes, tenant.rank_bytes)
+
+    def _attach_memory(self, client: Client, tenant: Tenant, msg: m.Register) -> None:
+        regions = msg.cuda_regions or msg.host_regions
+        kind = "cuda" if msg.cuda_regions else "host"
+        if len(regions) != len(tenant.rank_page_bytes):
+            raise RequestError(
+                f"{len(regions)} memory regions for a fingerprint of "
+                f"{len(tenant.rank_page_bytes)} tensors", m.Code.SIZE_MISMATCH)
+        for r, page in zip(regions, tenant.rank_page_bytes):
+            if r.page_bytes != page or r.num_blocks <= 0 or r.stride < r.page_bytes:
+                raise RequestError(
+                    f"region page {r.page_bytes} B / stride {r.stride} B / "
+                    f"{r.num_blocks} blocks does not match the fingerprint's {page} B pages",
+                    m.Code.SIZE_MISMATCH)
+        engine = self.engines.get(kind)
+        if engine is None:
+            raise RequestError(f"this daemon has no {kind} data path", m.Code.BAD_REQUEST)
+        bases = engine.attach(client.id, client.pid, msg)
+        client.engine = engine
+        client.bases = np.array(bases, dtype=np.uint64)
+        client.strides = np.array([r.stride for r in regions], dtype=np.uint64)
+        client.pages = np.array([r.page_bytes for r in regions], dtype=np.uint64)
+        client.num_blocks = min(r.num_blocks for r in regions)
+
+    # ------------------------------------------------------------ index
+    def _check_keys(self, keys: list[bytes]) -> None:
+        if len(keys) > self.config.max_keys_per_request:
+            raise RequestError(f"{len(keys)} keys in one request; at most "
+                               f"{self.config.max_keys_per_request}")
+
+    def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
+        self._check_keys(msg.keys)
+        lease_s = min(max(msg.lease_ms, 0), self.config.max_lease_ms) / 1000
+        hits, slots, lease, pending = self.index.lookup(
+            tenant, msg.keys, owner=client.id, depth=msg.depth, now=self.clock(),
+            lease_s=lease_s if lease_s > 0 else None)
+        return m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)
+
+    def _allocate(self, client: Client, tenant: Tenant, msg: m.Allocate) -> m.Reply:
+        self._check_keys(msg.keys)
+        pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
+        res = self.index.allocate(tenant, msg.keys, owner=client.id, depth=msg.depth,
+                                  now=self.clock(), pending_s=pending_s)
+        return m.Allocated(msg.req, pack_u32(res.slots), res.evicted, res.allocated)
+
+    def _release(self, client: Client, msg: m.Release) -> m.Reply:
+        if self.index.lease_owner(msg.lease) not in (None, client.id):
+            raise BadIds(f"lease {msg.lease} belongs to another client")
+        return m.Ok(msg.req, int(self.index.release(msg.lease)))
+
+    def _own_slots(self, tenant: Tenant, packed: bytes, state: int) -> np.ndarray:
+        """Slot ids from the wire, checked: in range, this tenant's, in ``state``."""
+        try:
+            slots = unpack_u32(packed).astype(np.int64)
+        except ValueError as e:
+            raise BadIds(str(e)) from None
+        if slots.size and int(slots.max()) >= self.index.allocator.max_slots:
+            raise BadIds(f"slot id {int(slots.max())} out of range")
+        bad = (self.index.tenant_of[slots] != tenant.id) | (self.index.state[slots] != state)
+        if bad.any():
+            s = int(slots[np.argmax(bad)])
+            want = "PENDING" if state == PENDING else "READY"
+            raise BadIds(f"slot {s} is not a {want} slot of this tenant")
+        return slots
+
+    # ------------------------------------------------------------ data
+    def _transfer(self, client: Client, msg: m.Transfer) -> m.Reply | None:
+        tenant = client.tenant
+        if tenant is None or client.engine is None:
+            raise NotRegistered("register memory (Register with a rank) before a Transfer")
+        if msg.direction not in (m.Direction.STORE, m.Direction.LOAD):
+            raise RequestError(f"bad direction {msg.direction}")
+        state = PENDING if msg.direction == m.Direction.STORE else READY
+        slots = self._own_slots(tenant, msg.slots, state)
+        try:
+            blocks = unpack_u32(msg.block_ids).astype(np.uint64)
+        except ValueError as e:
+            raise BadIds(str(e)) from None
+        if len(blocks) != len(slots):
+            raise BadIds(f"{len(blocks)} block ids for {len(slots)} slots")
+        if blocks.size and int(blocks.max()) >= client.num_blocks:
+            raise BadIds(f"block id {int(blocks.max())} beyond the registered "
+                         f"{client.num_blocks} blocks")
+        if msg.direction == m.Direction.STORE and slots.size:
+            done = (self.index.rank_mask[slots] >> np.uint64(client.rank)) & np.uint64(1)
+            if done.any():
+                raise BadIds(f"rank {client.rank} already stored slot {int(slots[np.argmax(done)])}")
+        alloc = self.index.allocator
+        slot_off = alloc.offsets(slots, tenant.slot_bytes).astype(np.uint64)
+        page_off = np.array(tenant.page_offsets, dtype=np.uint64)
+        rank_off = np.uint64(max(client.rank, 0) * tenant.rank_bytes)
+        pool = (np.uint64(self.pool.base) + rank_off + slot_off[:, None] + page_off[None, :])
+        remote = client.bases[None, :] + blocks[:, None] * client.strides[None, :]
+        lengths = np.broadcast_to(client.pages, remote.shape)
+        job = CopyJob(client.id, msg.event, msg.req, msg.direction, client.pid,
+                      pool.ravel(), remote.ravel(), lengths.ravel().copy(), slots,
+                      msg.cuda_event)
+        job.context["client"] = client
+        self.index.pin(slots)
+        client.inflight += 1
+        client.engine.submit(job)
+        return None
+
+    def copy_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
+        """On the loop: unpin, publish READY, push Done."""
+        client: Client = job.context["client"]
+        self.index.unpin(job.slots)
+        nblocks = len(job.slots)
+        if error is None and job.direction == m.Direction.STORE:
+            self.index.store_done(job.slots, client.rank)
+            self.counters.stored_bytes += job.nbytes
+        elif error is None:
+            self.counters.loaded_blocks += nblocks
+            self.counters.loaded_bytes += job.nbytes
+        else:
+            self.counters.failed_transfers += 1
+            if job.direction == m.Direction.STORE:
+                self.index.abort(job.slots)  # never READY: every rank must succeed
+            log.warning("transfer %d of client %d failed: %s", job.event, job.client, error)
+        client.inflight -= 1
+        if error is None:
+            done = m.Done(job.req, job.event, m.Code.OK, "", job.nbytes, seconds)
+        else:
+            code = error.code if isinstance(error, KvdError) else m.Code.TRANSFER_FAILED
+            done = m.Done(job.req, job.event, code, str(error), 0, seconds)
+        if not client.gone:
+            self.send(client.identity, done)
+        elif client.inflight == 0 and client.engine is not None:
+            client.engine.detach(client.id)
+
+    # ------------------------------------------------------------ housekeeping
+    def tick(self) -> None:
+        self.index.expire(self.clock())
+
+    def client_gone(self, identity: bytes) -> None:
+        client = self.clients.pop(identity, None)
+        if client is None:
+            return
+        client.gone = True
+        leases, pending = self.index.drop_owner(client.id)
+        if client.tenant is not None:
+            client.tenant.clients.discard(client.id)
+        if client.engine is not None and client.inflight == 0:
+            client.engine.detach(client.id)
+        log.info("client %d (pid %d) gone: released %d leases, %d pending blocks",
+                 client.id, client.pid, leases, pending)
+
+    def client_by_pid(self, pid: int) -> list[bytes]:
+        return [c.identity for c in self.clients.values() if c.pid == pid]
+
+    def status(self) -> dict:
+        ix, alloc = self.index, self.index.allocator
+        c = ix.counters
+        return {
+            "version": m.PROTOCOL_VERSION,
+            "instance": self.instance,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 3),
+            "policy": self.policy_name,
+            "pool": {
+                "path": self.pool.path,
+                "capacity_bytes": alloc.capacity_bytes,
+                "used_bytes": alloc.used_bytes,
+                "extent_bytes": alloc.extent_bytes,
+                "locked": self.pool.locked,
+            },
+            "blocks": {"ready": ix.ready_blocks, "pending": ix.pending_blocks,
+                       "pinned": ix.pinned_blocks, "leases": ix.leases},
+            "clients": [
+                {"id": cl.id, "pid": cl.pid, "name": cl.name, "rank": cl.rank,
+                 "tenant": cl.tenant.id if cl.tenant else None, "inflight": cl.inflight,
+                 "requests": cl.requests}
+                for cl in self.clients.values()
+            ],
+            "tenants": [
+                {"id": t.id, "digest": t.digest, "model": t.model, "tp_size": t.tp_size,
+                 "slot_bytes": t.slot_bytes, "blocks": t.blocks,
+                 "bytes": t.blocks * t.slot_bytes, "clients": len(t.clients)}
+                for t in self.tenants
+            ],
+            "counters": {
+                "requests": self.counters.requests, "errors": self.counters.errors,
+                "lookups": c.lookups, "lookup_keys": c.lookup_keys,
+                "hit_blocks": c.hit_blocks, "stored_blocks": c.stored_blocks,
+                "stored_bytes": self.counters.stored_bytes,
+                "loaded_blocks": self.counters.loaded_blocks,
+                "loaded_bytes": self.counters.loaded_bytes,
+                "evicted_blocks": c.evicted_blocks, "failed_stores": c.failed_stores,
+                "failed_transfers": self.counters.failed_transfers,
+                "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
+                "no_space": c.no_space,
+            },
+        }

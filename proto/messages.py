@@ -1,0 +1,268 @@
+"""The wire protocol between kvd and its clients: one msgspec Struct per message.
+
+Every message is a frozen, array-like, tagged Struct encoded with MessagePack. The wire
+only grows: a new field goes at the end with a default, a tag is never reused, and
+PROTOCOL_VERSION changes only when an old peer could misread a new message.
+
+Requests carry ``req`` (the client's request id); every reply echoes it. A Transfer is
+answered by exactly one Done, pushed when the copy finished (or failed). Block and slot
+ids are packed little-endian uint32 bytes (see ``kvd_proto.ids``); keys are vLLM's
+OffloadKey bytes (block hash + 4-byte group index), opaque to kvd.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class Code(enum.IntEnum):
+    """Error codes, sorted by what the caller should do next."""
+
+    OK = 0
+    # The request was wrong: fix the caller, retrying will not help.
+    BAD_REQUEST = 1
+    VERSION_MISMATCH = 2
+    NOT_REGISTERED = 3  # Hello/Register first (e.g. after a daemon restart)
+    BAD_IDS = 4  # block or slot ids out of range, foreign, or in the wrong state
+    SIZE_MISMATCH = 5
+    # The daemon cannot do it now: degrade (miss / skip the store), maybe retry later.
+    NO_SPACE = 10
+    BUSY = 11
+    # The copy itself failed.
+    TRANSFER_FAILED = 20
+    PERMISSION = 21  # the daemon may not read/write the client's memory
+    CLIENT_GONE = 22
+    ABORTED = 23
+    CHECKSUM = 24
+    # Access control.
+    FORBIDDEN = 30
+    INTERNAL = 99
+
+
+class Direction(enum.IntEnum):
+    STORE = 0  # client memory -> pool
+    LOAD = 1  # pool -> client memory
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, tag=True, omit_defaults=False):
+    pass
+
+
+# ---------------------------------------------------------------- handshake
+
+
+class Hello(_Msg, tag="hello"):
+    req: int
+    version: int
+    pid: int
+    name: str = ""
+
+
+class HelloOk(_Msg, tag="hello_ok"):
+    req: int
+    version: int
+    daemon_pid: int
+    instance: str  # changes on every daemon start: a client re-registers when it does
+    client_id: int
+
+
+class Fingerprint(msgspec.Struct, frozen=True, array_like=True):
+    """What makes blocks interchangeable between engines (the tenant)."""
+
+    model: str
+    dtype: str
+    kv_dtype: str
+    block_tokens: int
+    tp_size: int
+    rank_page_bytes: list[int]  # per-rank bytes of one block, per tensor (layer)
+    hash_algo: str
+    root_hash: bytes
+    pp_rank: int = 0
+    extra: str = ""
+
+
+class HostRegion(msgspec.Struct, frozen=True, array_like=True):
+    """One KV tensor in the client's address space: block b lives at base + b * stride."""
+
+    base: int
+    num_blocks: int
+    stride: int
+    page_bytes: int
+
+
+class CudaRegion(msgspec.Struct, frozen=True, array_like=True):
+    """One KV tensor in GPU memory, exported with a legacy CUDA IPC handle."""
+
+    device_uuid: bytes
+    ipc_handle: bytes  # 64 bytes, for the allocation base
+    offset: int  # tensor start minus allocation base
+    num_blocks: int
+    stride: int
+    page_bytes: int
+
+
+class Register(_Msg, tag="register"):
+    """Join a tenant. ``rank`` -1 is the scheduler side (index only, no memory)."""
+
+    req: int
+    fingerprint: Fingerprint
+    rank: int = -1
+    host_regions: list[HostRegion] = []
+    cuda_regions: list[CudaRegion] = []
+    cuda_event_handles: list[bytes] = []
+
+
+class Registered(_Msg, tag="registered"):
+    req: int
+    tenant_id: int
+    slot_bytes: int  # one block for all ranks
+    rank_bytes: int  # one rank's share of a slot
+
+
+# ---------------------------------------------------------------- index
+
+
+class Lookup(_Msg, tag="lookup"):
+    """Length of the leading READY run of ``keys``; leases the hit blocks."""
+
+    req: int
+    keys: list[bytes]
+    lease_ms: int = 30_000
+    depth: int = 0  # prefix position of keys[0] (block index in the request)
+
+
+class LookupOk(_Msg, tag="lookup_ok"):
+    req: int
+    hits: int  # keys[:hits] are READY and leased
+    slots: bytes  # packed slot ids of those hits
+    lease: int  # lease id (0 when hits == 0)
+    pending: int = 0  # keys[hits:hits+pending] are being stored right now
+
+
+class Release(_Msg, tag="release"):
+    """Drop a lease (all of it, or only the blocks in ``slots``)."""
+
+    req: int
+    lease: int
+    slots: bytes = b""
+
+
+class Allocate(_Msg, tag="allocate"):
+    """Reserve slots for keys not stored yet; they stay PENDING until every rank stored."""
+
+    req: int
+    keys: list[bytes]
+    depth: int = 0
+    pending_ms: int = 60_000
+
+
+class Allocated(_Msg, tag="allocated"):
+    req: int
+    slots: bytes  # packed, one per key; NO_SLOT where the key is stored already
+    evicted: list[bytes]  # keys evicted to make room
+    allocated: int = 0  # keys[:allocated] got an answer; the rest did not fit
+
+
+# ---------------------------------------------------------------- data
+
+
+class Transfer(_Msg, tag="transfer"):
+    """Copy blocks between the sender's registered memory and pool slots."""
+
+    req: int
+    event: int
+    direction: Direction
+    block_ids: bytes  # packed engine block ids
+    slots: bytes  # packed slot ids, same length
+    cuda_event: int = -1  # index in the registered event ring (stores on GPU)
+
+
+class Done(_Msg, tag="done"):
+    """Pushed once per Transfer when it finished."""
+
+    req: int
+    event: int
+    code: Code = Code.OK
+    message: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class Abort(_Msg, tag="abort"):
+    """Give up PENDING slots that will never be stored (the request went away)."""
+
+    req: int
+    slots: bytes
+
+
+# ---------------------------------------------------------------- admin
+
+
+class Stats(_Msg, tag="stats"):
+    req: int
+
+
+class StatsOk(_Msg, tag="stats_ok"):
+    req: int
+    status: bytes  # JSON document, schema in kvd.status (kept open for growth)
+
+
+class Evict(_Msg, tag="evict"):
+    """Admin: drop READY unpinned blocks of one tenant, or of all when tenant is -1."""
+
+    req: int
+    tenant: int = -1
+
+
+class Ping(_Msg, tag="ping"):
+    """Liveness probe; answered with Ok. Cheap enough to send every second."""
+
+    req: int
+
+
+class Ok(_Msg, tag="ok"):
+    req: int
+    count: int = 0
+
+
+class Error(_Msg, tag="error"):
+    req: int
+    code: Code
+    message: str
+
+
+Request = (
+    Hello | Register | Lookup | Release | Allocate | Transfer | Abort | Stats | Evict | Ping
+)
+Reply = HelloOk | Registered | LookupOk | Allocated | Done | StatsOk | Ok | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+encode = _encoder.encode
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    """Decode one request; raises msgspec.DecodeError/ValidationError on bad input."""
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(data)
+
+
+def peek_req(data: bytes | memoryview) -> int:
+    """Best-effort request id of an undecodable message, so its error can be matched."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except Exception:  # noqa: BLE001 - garbage gets req 0
+        return 0
+    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], int):
+        return raw[1] if 0 <= raw[1] < 2**63 else 0
+    return 0
