@@ -55,6 +55,7 @@ class Connection:
         on_done: Callable[[m.Done], None] | None = None,
         on_ready: Callable[[m.Registered | None], None] | None = None,
         register: m.Register | None = None,
+        on_event_waited: Callable[[m.EventWaited], None] | None = None,
     ) -> None:
         self.endpoint = f"ipc://{socket_path}"
         self.name = name
@@ -63,6 +64,7 @@ class Connection:
         self.transfer_timeout = transfer_timeout
         self.on_done = on_done
         self.on_ready = on_ready
+        self.on_event_waited = on_event_waited
         self.stats = ClientStats()
         self.daemon_pid = 0
         self.instance = ""
@@ -287,6 +289,19 @@ class _IO:
         if isinstance(reply, m.Done):
             if self.transfers.pop(reply.req, None) is not None:
                 self.deliver(reply)
+            return
+        if isinstance(reply, m.EventWaited):  # the store may now reuse its CUDA event
+            if c.on_event_waited is not None:
+                try:
+                    c.on_event_waited(reply)
+                except Exception:  # noqa: BLE001
+                    log.exception("on_event_waited callback failed")
+            return
+        if reply.req in self.transfers:  # an error about a Transfer still ends it
+            msg, _ = self.transfers.pop(reply.req)
+            code = reply.code if isinstance(reply, m.Error) else m.Code.INTERNAL
+            text = reply.message if isinstance(reply, m.Error) else "unexpected reply"
+            self.deliver(m.Done(msg.req, msg.event, code, text))
             return
         if reply.req == self.handshake_req and self.phase in ("hello", "register"):
             self.handshake(reply)

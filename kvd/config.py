@@ -42,6 +42,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     mlock: bool = False
     policy: str = ""  # empty: the registry's default
     copy_threads: int = 2
+    cuda: bool = True  # use the GPU data path when a CUDA device is usable
     max_lease_ms: int = 120_000
     max_pending_ms: int = 600_000
     max_keys_per_request: int = 65_536

@@ -19,8 +19,10 @@ import msgspec
 import zmq
 
 from kvd.config import Config
-from kvd.engines.base import CopyJob
+from kvd.engines.base import CopyJob, TransferEngine
+from kvd.engines.cuda import ClientCopyEngine, CudaEngine
 from kvd.engines.host import HostEngine
+from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
 from kvd.pool import Pool
 from kvd.service import Client, Service
@@ -45,9 +47,15 @@ class Server:
         self.stopping = asyncio.Event()
         self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
                          lock=config.mlock)
-        host = HostEngine(self._engine_done, threads=config.copy_threads)
-        self.engines = {"host": host}
+        self.engines: dict[str, TransferEngine] = {
+            "host": HostEngine(self._engine_done, threads=config.copy_threads),
+            "client_copy": ClientCopyEngine(self._engine_done),
+        }
+        self.pinner: PoolPinner | None = None
+        if config.cuda:
+            self._start_cuda()
         self.service = Service(config, self.pool, self.engines, self._send)
+        self.service.extra_status = self._extra_status
         self.service.on_client = self._watch
         self._pidfds: dict[int, int] = {}  # pid -> pidfd
         self.ctx = zmq.Context.instance()
@@ -72,6 +80,27 @@ class Server:
         except zmq.ZMQError as e:
             raise ConfigError(f"cannot bind {path}: {e}") from None
         os.chmod(path, self.config.socket_mode)
+
+    def _start_cuda(self) -> None:
+        from kvd_proto.cudart import CudaUnavailable, load
+
+        try:
+            api = load()
+        except CudaUnavailable as e:
+            log.info("no GPU data path: %s", e)
+            return
+        self.engines["cuda"] = CudaEngine(self._engine_done, api, on_waited=self._engine_waited)
+        self.pinner = PoolPinner(self.pool.base, self.pool.size, api)
+        self.pinner.start()  # registers the pool in the background; unpinned until then
+
+    def _extra_status(self) -> dict:
+        return {"pinning": self.pinner.status() if self.pinner else {"state": "unavailable"},
+                "data_paths": sorted(self.engines)}
+
+    def _engine_waited(self, job: CopyJob) -> None:
+        identity = job.context["client"].identity
+        msg = m.EventWaited(job.req, job.event, job.cuda_event)
+        self.loop.call_soon_threadsafe(self._send, identity, msg)
 
     # ------------------------------------------------------------ socket
     def _send(self, identity: bytes, reply: m.Reply) -> None:
@@ -111,13 +140,19 @@ class Server:
                     sock.send_multipart([identity, m.encode(reply)], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+        service.idle()  # bookkeeping that need not delay the replies
 
     # ------------------------------------------------------------ engines
     def _engine_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
         self.loop.call_soon_threadsafe(self._copy_done, job, error, seconds)
 
     def _copy_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
-        self.service.copy_done(job, error, seconds)
+        try:
+            self.service.copy_done(job, error, seconds)
+        except Exception as e:  # noqa: BLE001 - the client must still get its Done
+            log.exception("completing transfer %d failed", job.event)
+            identity = job.context["client"].identity
+            self._send(identity, m.Done(job.req, job.event, m.Code.INTERNAL, str(e)))
 
     # ------------------------------------------------------------ liveness
     def _watch(self, client: Client) -> None:
@@ -162,6 +197,8 @@ class Server:
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
         for engine in self.engines.values():
             engine.close()
+        if self.pinner is not None:
+            self.pinner.release()
         for fd in self._pidfds.values():
             self.loop.remove_reader(fd)
             os.close(fd)

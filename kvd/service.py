@@ -38,6 +38,7 @@ class Client:
     identity: bytes
     pid: int
     name: str = ""
+    hello_pid: int = 0  # the pid the client says it has (differs across PID namespaces)
     tenant: Tenant | None = None
     rank: int = -1
     engine: TransferEngine | None = None
@@ -79,6 +80,7 @@ class Service:
         self.counters = Counters()
         self._next_client = 1
         self.on_client = None  # set by the server: watch a new client's pid
+        self.extra_status: Callable[[], dict] = dict  # the shell adds what it owns
 
     # ------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, pid: int, msg: m.Request) -> m.Reply | None:
@@ -118,6 +120,8 @@ class Service:
             raise RequestError(f"unexpected message {type(msg).__name__}")
         except KvdError as e:
             self.counters.errors += 1
+            if isinstance(msg, m.Transfer):  # a Transfer is answered by one Done, always
+                return m.Done(msg.req, msg.event, e.code, str(e))
             return m.Error(msg.req, e.code, str(e))
 
     def error(self, req: int, code: m.Code, message: str) -> m.Error:
@@ -135,7 +139,7 @@ class Service:
         old = self.clients.get(identity)
         if old is not None:
             self.client_gone(identity)
-        client = Client(self._next_client, identity, pid or msg.pid, msg.name)
+        client = Client(self._next_client, identity, pid or msg.pid, msg.name, msg.pid)
         self._next_client += 1
         self.clients[identity] = client
         if self.on_client is not None:
@@ -160,13 +164,35 @@ class Service:
             self._attach_memory(client, tenant, msg)
         client.tenant, client.rank = tenant, msg.rank
         tenant.clients.add(client.id)
-        log.info("client %d (pid %d, %s) joined tenant %d (%s) as rank %d", client.id,
-                 client.pid, client.name or "-", tenant.id, tenant.model, msg.rank)
-        return m.Registered(msg.req, tenant.id, tenant.slot_bytes, tenant.rank_bytes)
+        log.info("client %d (pid %d, %s) joined tenant %d (%s) as rank %d%s", client.id,
+                 client.pid, client.name or "-", tenant.id, tenant.model, msg.rank,
+                 f", copying itself: {msg.client_copy_reason}" if msg.client_copy else "")
+        if not msg.client_copy:
+            return m.Registered(msg.req, tenant.id, tenant.slot_bytes, tenant.rank_bytes)
+        alloc = self.index.allocator
+        return m.Registered(msg.req, tenant.id, tenant.slot_bytes, tenant.rank_bytes,
+                            self.pool.path, alloc.extent_bytes, alloc.slots_per_extent_max)
 
     def _attach_memory(self, client: Client, tenant: Tenant, msg: m.Register) -> None:
+        """Pick the data path from what the client registered and open its memory."""
+        kind = "client_copy" if msg.client_copy else "cuda" if msg.cuda_regions else "host"
+        engine = self.engines.get(kind)
+        if engine is None:
+            raise RequestError(f"this daemon has no {kind} data path"
+                               + (" (no usable CUDA device)" if kind == "cuda" else ""))
+        if kind == "client_copy":
+            client.engine = engine
+            pages = tenant.rank_page_bytes
+            client.bases = np.zeros(len(pages), dtype=np.uint64)
+            client.strides = np.array(pages, dtype=np.uint64)
+            client.pages = np.array(pages, dtype=np.uint64)
+            client.num_blocks = 2**31  # the client addresses its own memory
+            return
+        if kind == "cuda":
+            from kvd.engines.cuda import refuse_foreign_pid_namespace
+
+            refuse_foreign_pid_namespace(client.hello_pid, client.pid)
         regions = msg.cuda_regions or msg.host_regions
-        kind = "cuda" if msg.cuda_regions else "host"
         if len(regions) != len(tenant.rank_page_bytes):
             raise RequestError(
                 f"{len(regions)} memory regions for a fingerprint of "
@@ -177,9 +203,6 @@ class Service:
                     f"region page {r.page_bytes} B / stride {r.stride} B / "
                     f"{r.num_blocks} blocks does not match the fingerprint's {page} B pages",
                     m.Code.SIZE_MISMATCH)
-        engine = self.engines.get(kind)
-        if engine is None:
-            raise RequestError(f"this daemon has no {kind} data path", m.Code.BAD_REQUEST)
         bases = engine.attach(client.id, client.pid, msg)
         client.engine = engine
         client.bases = np.array(bases, dtype=np.uint64)
@@ -294,6 +317,10 @@ class Service:
             client.engine.detach(client.id)
 
     # ------------------------------------------------------------ housekeeping
+    def idle(self) -> None:
+        """Work deferred until the replies of a burst are out (policy touches)."""
+        self.index.flush()
+
     def tick(self) -> None:
         self.index.expire(self.clock())
 
@@ -343,6 +370,7 @@ class Service:
                  "bytes": t.blocks * t.slot_bytes, "clients": len(t.clients)}
                 for t in self.tenants
             ],
+            **self.extra_status(),
             "counters": {
                 "requests": self.counters.requests, "errors": self.counters.errors,
                 "lookups": c.lookups, "lookup_keys": c.lookup_keys,

@@ -115,6 +115,10 @@ class Register(_Msg, tag="register"):
     host_regions: list[HostRegion] = []
     cuda_regions: list[CudaRegion] = []
     cuda_event_handles: list[bytes] = []
+    # The client cannot export its GPU memory (expandable segments, sleep mode, MIG, PID
+    # namespace): it maps the pool and copies itself; its Transfers report finished copies.
+    client_copy: bool = False
+    client_copy_reason: str = ""
 
 
 class Registered(_Msg, tag="registered"):
@@ -122,6 +126,11 @@ class Registered(_Msg, tag="registered"):
     tenant_id: int
     slot_bytes: int  # one block for all ranks
     rank_bytes: int  # one rank's share of a slot
+    # For client_copy: slot s is at (s // slots_per_extent) * extent_bytes
+    # + (s % slots_per_extent) * slot_bytes in the pool file.
+    pool_path: str = ""
+    extent_bytes: int = 0
+    slots_per_extent: int = 0
 
 
 # ---------------------------------------------------------------- index
@@ -193,6 +202,15 @@ class Done(_Msg, tag="done"):
     seconds: float = 0.0
 
 
+class EventWaited(_Msg, tag="event_waited"):
+    """Pushed when the daemon enqueued its wait on the CUDA event a store named: from now
+    on the client may record that event again. Always before the Transfer's Done."""
+
+    req: int
+    event: int
+    cuda_event: int
+
+
 class Abort(_Msg, tag="abort"):
     """Give up PENDING slots that will never be stored (the request went away)."""
 
@@ -239,7 +257,8 @@ class Error(_Msg, tag="error"):
 Request = (
     Hello | Register | Lookup | Release | Allocate | Transfer | Abort | Stats | Evict | Ping
 )
-Reply = HelloOk | Registered | LookupOk | Allocated | Done | StatsOk | Ok | Error
+Reply = (HelloOk | Registered | LookupOk | Allocated | Done | StatsOk | Ok | Error
+         | EventWaited)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -9,6 +9,7 @@ Time is passed in (``now``, seconds); the index never reads a clock.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ class _Pending:
     deadline: float
     depth: int
     tenant: Tenant
+    length: int = 0  # depth of the end of the allocating request's chain
 
 
 @dataclass
@@ -63,6 +65,9 @@ class IndexCounters:
 class Index:
     allocator: Allocator
     policy: EvictionPolicy
+    # Two maps on purpose: lookups hit the per-tenant map with the keys exactly as they
+    # came off the wire (no per-key concatenation on the hot path); the policy and
+    # eviction use tenant-scoped keys (tenant id bytes + key) through ``entries``.
     entries: dict[bytes, int] = field(default_factory=dict)  # scoped key -> slot
     counters: IndexCounters = field(default_factory=IndexCounters)
 
@@ -78,6 +83,8 @@ class Index:
         self._doomed: set[int] = set()  # PENDING slots to free once unpinned
         self._leases: dict[int, Lease] = {}
         self._next_lease = 1
+        self._spaces: dict[int, dict[bytes, int]] = {}  # tenant id -> key -> slot
+        self._touches: list[tuple[list[int], int]] = []  # hits not yet told to the policy
 
     # ------------------------------------------------------------ queries
     @property
@@ -106,17 +113,19 @@ class Index:
         now: float = 0.0,
         lease_s: float | None = None,
     ) -> tuple[int, np.ndarray, int, int]:
-        """(hits, hit slots, lease id, pending after the hits) for the leading run."""
+        """(hits, hit slots, lease id, pending after the hits) for the leading run.
+
+        The policy hears about the hits at the next ``flush`` (every mutating call
+        flushes first), so the caller can answer before paying for it.
+        """
         self.counters.lookups += 1
         self.counters.lookup_keys += len(keys)
-        pfx = tenant.prefix
-        scoped = [pfx + k for k in keys]
-        found = list(map(self.entries.get, scoped))
+        found = list(map(self._spaces.get(tenant.id, {}).get, keys))
         try:
             present = found.index(None)
         except ValueError:
             present = len(found)
-        slots = np.array(found[:present], dtype=np.int64)
+        slots = np.fromiter(found, dtype=np.int64, count=present)
         states = self.state[slots]
         not_ready = np.flatnonzero(states != READY)
         hits = int(not_ready[0]) if not_ready.size else present
@@ -127,9 +136,9 @@ class Index:
         lease = 0
         if hits:
             self.counters.hit_blocks += hits
-            self.policy.touch(scoped[:hits], depth)
+            self._touches.append((found[:hits], depth))
             if lease_s is not None:
-                np.add.at(self.pins, hit_slots, 1)
+                self.pin(hit_slots)
                 lease = self._next_lease
                 self._next_lease += 1
                 self._leases[lease] = Lease(lease, owner, hit_slots, now + lease_s)
@@ -137,8 +146,17 @@ class Index:
 
     def contains(self, tenant: Tenant, key: bytes) -> int:
         """State of one key (FREE when absent)."""
-        slot = self.entries.get(tenant.prefix + key)
+        slot = self._spaces.get(tenant.id, {}).get(key)
         return FREE if slot is None else int(self.state[slot])
+
+    def flush(self) -> None:
+        """Tell the policy about the hits of past lookups, in order."""
+        if not self._touches:
+            return
+        touches, self._touches = self._touches, []
+        slot_key, touch = self._slot_key.__getitem__, self.policy.touch
+        for slots, depth in touches:
+            touch(list(map(slot_key, slots)), depth)
 
     # ------------------------------------------------------------ leases
     def release(self, lease_id: int, owner: int | None = None) -> bool:
@@ -153,11 +171,13 @@ class Index:
         lease = self._leases.get(lease_id)
         return None if lease is None else lease.owner
 
+    # pin/unpin count a slot once per call even if it repeats (fancy indexing, ~15x
+    # faster than np.add.at); both sides do the same, so counts stay balanced.
     def pin(self, slots: np.ndarray) -> None:
-        np.add.at(self.pins, slots, 1)
+        self.pins[slots] += 1
 
     def unpin(self, slots: np.ndarray) -> None:
-        np.subtract.at(self.pins, slots, 1)
+        self.pins[slots] -= 1
         if self._doomed:
             for s in [int(s) for s in slots if int(s) in self._doomed]:
                 if self.pins[s] == 0:
@@ -180,9 +200,10 @@ class Index:
         Keys already present (PENDING or READY) get NO_SLOT. Allocation stops at the
         first key that finds no room; ``allocated`` says how many keys were answered.
         """
+        self.flush()
         pfx = tenant.prefix
-        scoped = [pfx + k for k in keys]
-        new = [i for i, k in enumerate(scoped) if k not in self.entries]
+        ns = self._spaces.setdefault(tenant.id, {})
+        new = [i for i, k in enumerate(keys) if k not in ns]
         need = len(new) - self.allocator.free_slots(tenant.slot_bytes)
         evicted: list[bytes] = []
         total = 0
@@ -191,45 +212,58 @@ class Index:
         slots = [NO_SLOT] * len(keys)
         answered = len(keys)
         deadline = now + pending_s
+        length = depth + len(keys)
+        entries, slot_key, slot_tenant = self.entries, self._slot_key, self._slot_tenant
+        pending, alloc, slot_bytes = self._pending, self.allocator.alloc, tenant.slot_bytes
+        got: list[int] = []
         for i in new:
-            slot = self.allocator.alloc(tenant.slot_bytes)
+            slot = alloc(slot_bytes)
             if slot is None:
                 answered = i
                 self.counters.no_space += 1
                 break
-            key = scoped[i]
-            self.entries[key] = slot
-            self._slot_key[slot] = key
-            self._slot_tenant[slot] = tenant
-            self.state[slot] = PENDING
-            self.tenant_of[slot] = tenant.id
-            self.rank_mask[slot] = 0
-            self._pending[slot] = _Pending(owner, deadline, depth + i, tenant)
+            ns[keys[i]] = slot
+            key = pfx + keys[i]
+            entries[key] = slot
+            slot_key[slot] = key
+            slot_tenant[slot] = tenant
+            pending[slot] = _Pending(owner, deadline, depth + i, tenant, length)
             slots[i] = slot
+            got.append(slot)
+        if got:  # one numpy call per array, not one per slot
+            arr = np.array(got, dtype=np.int64)
+            self.state[arr] = PENDING
+            self.tenant_of[arr] = tenant.id
+            self.rank_mask[arr] = 0
         return AllocateResult(slots[:answered], evicted, answered, total)
 
     def store_done(self, slots: np.ndarray, rank: int) -> int:
         """One rank finished copying into these PENDING slots; returns blocks now READY."""
+        self.flush()
         bit = np.uint64(1 << rank)
         s = slots.astype(np.int64, copy=False)
         s = s[self.state[s] == PENDING]
         self.rank_mask[s] |= bit
-        ready = 0
-        for slot in s.tolist():
-            p = self._pending.get(slot)
-            if p is None or slot in self._doomed:
+        pending, doomed, insert = self._pending, self._doomed, self.policy.insert
+        now_ready: list[int] = []
+        for slot, mask in zip(s.tolist(), self.rank_mask[s].tolist()):
+            p = pending.get(slot)
+            if p is None or slot in doomed:
                 continue
-            if int(self.rank_mask[slot]) == p.tenant.full_mask:
-                del self._pending[slot]
-                self.state[slot] = READY
+            if mask == p.tenant.full_mask:
+                del pending[slot]
+                now_ready.append(slot)
                 p.tenant.blocks += 1
-                self.policy.insert(self._slot_key[slot], p.depth)
-                ready += 1
+                insert(self._slot_key[slot], p.depth, length=p.length)
+        ready = len(now_ready)
+        if ready:
+            self.state[np.array(now_ready, dtype=np.int64)] = READY
         self.counters.stored_blocks += ready
         return ready
 
     def abort(self, slots: np.ndarray) -> int:
         """Drop PENDING slots (a failed or abandoned store); freed once unpinned."""
+        self.flush()
         n = 0
         for slot in slots.tolist():
             if slot < len(self.state) and self.state[slot] == PENDING and slot in self._pending:
@@ -242,6 +276,7 @@ class Index:
     # ------------------------------------------------------------ housekeeping
     def expire(self, now: float) -> tuple[int, int]:
         """Release leases and PENDING stores past their deadlines."""
+        self.flush()
         old = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
         for lid in old:
             self.release(lid)
@@ -258,6 +293,7 @@ class Index:
 
     def drop_owner(self, owner: int) -> tuple[int, int]:
         """A client went away: release its leases and its PENDING stores."""
+        self.flush()
         leases = [lid for lid, lease in self._leases.items() if lease.owner == owner]
         for lid in leases:
             self.release(lid)
@@ -267,6 +303,7 @@ class Index:
 
     def evict_tenant(self, tenant: Tenant | None) -> int:
         """Admin eviction of READY unpinned blocks (one tenant, or all when None)."""
+        self.flush()
         victims = [
             key
             for key in self.policy.victims()
@@ -285,9 +322,10 @@ class Index:
         """Evict up to ``need`` blocks so ``tenant`` can allocate; same size class first."""
         want = tenant.slot_bytes
         chosen: list[bytes] = []
+        entries, pin_of, bytes_of = self.entries, self.pins.item, self.allocator.slot_bytes_of
         for key in self.policy.victims():
-            slot = self.entries[key]
-            if self.pins[slot] == 0 and self.allocator.slot_bytes_of(slot) == want:
+            slot = entries[key]
+            if pin_of(slot) == 0 and bytes_of(slot) == want:
                 chosen.append(key)
                 if len(chosen) == need:
                     break
@@ -309,19 +347,45 @@ class Index:
 
     def _evict_keys(self, keys: list[bytes], tenant: Tenant, out: list[bytes]) -> int:
         pfx = tenant.prefix
-        for key in keys:
-            slot = self.entries[key]
-            self.policy.evicted(key)
-            if key[:4] == pfx:
-                out.append(key[4:])
-            self._drop_entry(slot)
+        entries = self.entries
+        slots = [entries[key] for key in keys]
+        deque(map(self.policy.evicted, keys), maxlen=0)
+        out.extend([key[4:] for key in keys if key[:4] == pfx])
+        self._drop_entries(slots)
         self.counters.evicted_blocks += len(keys)
         return len(keys)
+
+    def _drop_entries(self, slots: list[int]) -> None:
+        """``_drop_entry`` for many slots, with one numpy call per array."""
+        if not slots:
+            return
+        arr = np.array(slots, dtype=np.int64)
+        ready = (self.state[arr] == READY).tolist()
+        pinned = (self.pins[arr] > 0).tolist()
+        entries, slot_key, slot_tenant = self.entries, self._slot_key, self._slot_tenant
+        spaces = self._spaces
+        for slot, is_ready in zip(slots, ready):
+            key = slot_key.pop(slot)
+            del entries[key]
+            t = slot_tenant.pop(slot)
+            del spaces[t.id][key[4:]]
+            if is_ready:
+                t.blocks -= 1
+        self.state[arr] = FREE
+        free = [s for s, p in zip(slots, pinned) if not p]
+        if len(free) < len(slots):
+            self._doomed.update(s for s, p in zip(slots, pinned) if p)  # copies in flight
+        if free:
+            farr = np.array(free, dtype=np.int64)
+            self.rank_mask[farr] = 0
+            self.tenant_of[farr] = 0
+            deque(map(self.allocator.free, free), maxlen=0)
 
     def _drop_entry(self, slot: int) -> None:
         key = self._slot_key.pop(slot)
         del self.entries[key]
         t = self._slot_tenant.pop(slot)
+        del self._spaces[t.id][key[4:]]
         if self.state[slot] == READY:
             t.blocks -= 1
         self.state[slot] = FREE

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.engines.base import CopyJob, DoneCallback, TransferEngine, coalesce
+from kvd.engines.base import CopyJob, DoneCallback, TransferEngine
+from kvd_proto.ids import coalesce
 from kvd.errors import TransferError
 from kvd_proto.messages import Code, Direction
 

@@ -27,7 +27,7 @@ class ARCPolicy(EvictionPolicy):
         self.b1: OrderedDict[Key, None] = OrderedDict()
         self.b2: OrderedDict[Key, None] = OrderedDict()
 
-    def insert(self, key: Key, depth: int = 0) -> None:
+    def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
         # vLLM adapts on the store miss, then the insert clears the ghost entry.
         if key in self.b1:
             delta = max(1.0, len(self.b2) / len(self.b1))

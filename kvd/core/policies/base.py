@@ -14,8 +14,9 @@ class EvictionPolicy(ABC):
     """Orders READY blocks for eviction.
 
     Contract (the index is the only caller, single-threaded):
-    - ``insert(key, depth)`` when a block becomes READY; ``depth`` is its position in
-      its request's prefix chain (0 = first block). A key is never inserted twice
+    - ``insert(key, depth, length=...)`` when a block becomes READY; ``depth`` is its
+      position in its request's prefix chain (0 = first block), ``length`` the length
+      of the chain that stored it (0 when unknown). A key is never inserted twice
       without a ``remove``/``evicted`` in between.
     - ``touch(keys, depth)`` on a hit, keys in prefix order, ``keys[0]`` at ``depth``.
       Only keys currently inserted are passed.
@@ -35,7 +36,7 @@ class EvictionPolicy(ABC):
         self.capacity = max(1, capacity)
 
     @abstractmethod
-    def insert(self, key: Key, depth: int = 0) -> None: ...
+    def insert(self, key: Key, depth: int = 0, length: int = 0) -> None: ...
 
     @abstractmethod
     def touch(self, keys: Sequence[Key], depth: int = 0) -> None: ...
@@ -61,6 +62,7 @@ _REGISTRY: dict[str, str] = {
     "lru": "kvd.core.policies.lru:LRUPolicy",
     "arc": "kvd.core.policies.arc:ARCPolicy",
     "s3fifo": "kvd.core.policies.s3fifo:S3FIFOPolicy",
+    "chain": "kvd.core.policies.chain:ChainPolicy",
 }
 DEFAULT_POLICY = "lru"
 

@@ -15,7 +15,7 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(capacity)
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def insert(self, key: Key, depth: int = 0) -> None:
+    def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
         self._order[key] = None
 
     def touch(self, keys: Sequence[Key], depth: int = 0) -> None:

@@ -41,7 +41,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self.ghost_cap = max(1, int(self.capacity * GHOST_RATIO))
 
     # ------------------------------------------------------------ updates
-    def insert(self, key: Key, depth: int = 0) -> None:
+    def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
         self.freq[key] = 0
         if key in self.ghost:
             del self.ghost[key]

@@ -1,0 +1,164 @@
+"""Trace replay through the daemon's own Index and eviction policies.
+
+Each request of a Mooncake-format trace is replayed as the daemon sees it: look up the
+leading run of its blocks (those are the hits), then allocate and store the rest. The
+same ``Index``, ``Allocator`` and policy classes as the daemon run here, so a figure
+from the simulator is a figure about the shipped code. ``belady`` is the offline
+optimum for reference: it evicts the block whose next reference is farthest away.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvd.core.allocator import Allocator
+from kvd.core.index import NO_SLOT, Index
+from kvd.core.policies.base import EvictionPolicy, Key, make_policy
+from kvd.core.policies.heap import KeyHeap
+from kvd.core.tenants import Tenants
+
+SLOT_BYTES = 4096  # the simulator moves no bytes; one minimal slot per block
+BELADY = "belady"
+NEVER = 1 << 62
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests as lists of 8-byte keys, plus their flat hash ids for Belady."""
+
+    requests: list[list[bytes]]
+    hash_ids: list[list[int]]
+
+    @property
+    def block_refs(self) -> int:
+        return sum(map(len, self.requests))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    capacity: int
+    requests: int
+    block_refs: int
+    hit_blocks: int
+    hit_fraction: float
+    evicted_blocks: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def make_trace(hash_ids: Sequence[Sequence[int]]) -> Trace:
+    ids = [list(map(int, r)) for r in hash_ids]
+    return Trace([[h.to_bytes(8, "little") for h in r] for r in ids], ids)
+
+
+def load_trace(path: str) -> Trace:
+    """Read one JSON object per line, keeping each request's ``hash_ids``."""
+    with open(path, encoding="utf-8") as f:
+        return make_trace([json.loads(line)["hash_ids"] for line in f if line.strip()])
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Offline optimum: evict the block referenced again farthest in the future.
+
+    Needs the future, so it lives here and not in the daemon's registry. The
+    simulator calls ``begin(offset)`` before each request; a key at ``depth`` of that
+    request is reference number ``offset + depth`` of the flattened trace.
+    """
+
+    name = BELADY
+
+    def __init__(self, capacity: int, next_use: Sequence[int]) -> None:
+        super().__init__(capacity)
+        self._next_use = next_use
+        self._offset = 0
+        self._heap = KeyHeap()  # priority: minus the next use, farthest first
+
+    def begin(self, offset: int) -> None:
+        self._offset = offset
+
+    def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
+        self._heap.push(key, -self._next_use[self._offset + depth])
+
+    def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
+        base, push, nxt = self._offset + depth, self._heap.push, self._next_use
+        for i, key in enumerate(keys):
+            push(key, -nxt[base + i])
+
+    def remove(self, key: Key) -> None:
+        self._heap.discard(key)
+
+    def victims(self) -> Iterator[Key]:
+        return self._heap.ordered()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+def next_uses(trace: Trace) -> list[int]:
+    """For each reference of the flattened trace, the position of the next one."""
+    flat = [h for r in trace.hash_ids for h in r]
+    nxt = [NEVER] * len(flat)
+    last: dict[int, int] = {}
+    for pos in range(len(flat) - 1, -1, -1):
+        h = flat[pos]
+        nxt[pos] = last.get(h, NEVER)
+        last[h] = pos
+    return nxt
+
+
+def replay(trace: Trace, capacity: int, policy: str) -> SimResult:
+    """Replay ``trace`` through a fresh Index of ``capacity`` blocks."""
+    tenants = Tenants()
+    tenant = tenants.get_or_create("sim", model="sim", tp_size=1, rank_page_bytes=(SLOT_BYTES,))
+    pol: EvictionPolicy
+    if policy == BELADY:
+        pol = BeladyPolicy(capacity, next_uses(trace))
+        begin = pol.begin
+    else:
+        pol = make_policy(policy, capacity)
+        begin = None
+    index = Index(Allocator(capacity * SLOT_BYTES, SLOT_BYTES, SLOT_BYTES), pol)
+    lookup, allocate, store_done = index.lookup, index.allocate, index.store_done
+    # The index may defer telling the policy about hits; Belady must hear them while
+    # its offset still points at the request that made them.
+    flush = getattr(index, "flush", None) if begin is not None else None
+    offset = 0
+    t0 = time.perf_counter()
+    for keys in trace.requests:
+        if begin is not None:
+            begin(offset)
+        offset += len(keys)
+        hits = lookup(tenant, keys)[0]
+        if flush is not None:
+            flush()
+        if hits == len(keys):
+            continue
+        res = allocate(tenant, keys[hits:], depth=hits)
+        slots = [s for s in res.slots if s != NO_SLOT]
+        if slots:
+            store_done(np.array(slots, dtype=np.int64), 0)
+    seconds = time.perf_counter() - t0
+    refs = offset
+    hit = index.counters.hit_blocks
+    return SimResult(
+        policy=policy,
+        capacity=capacity,
+        requests=len(trace.requests),
+        block_refs=refs,
+        hit_blocks=hit,
+        hit_fraction=round(hit / refs, 6) if refs else 0.0,
+        evicted_blocks=index.counters.evicted_blocks,
+        seconds=round(seconds, 4),
+    )
+
+
+def sweep(trace: Trace, capacities: Sequence[int], policies: Sequence[str]) -> list[SimResult]:
+    return [replay(trace, c, p) for p in policies for c in capacities]

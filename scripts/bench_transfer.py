@@ -1,0 +1,156 @@
+"""Store and load throughput through a real kvd, beside local memcpy in the same run.
+
+For each block size: a client process registers KV memory, a scheduler connection
+allocates slots, the client stores every block (random engine block order, so nothing
+coalesces) and then loads them into another region. Throughput counts payload bytes
+from the first Transfer sent to the last Done received. The baseline is a single
+memcpy (numpy copyto) of the same number of bytes, measured in the same run.
+
+    python scripts/bench_transfer.py [--total 256M] [--json]
+Targets: >= 0.70 of memcpy at >= 64 KiB blocks, >= 0.50 at 16 KiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import daemon, emit  # noqa: E402
+
+from kvd.config import parse_size  # noqa: E402
+from kvd_client import Connection, host_regions  # noqa: E402
+from kvd_proto import messages as m  # noqa: E402
+from kvd_proto.ids import pack_u32, unpack_u32  # noqa: E402
+
+SIZES = [16 << 10, 64 << 10, 256 << 10, 2 << 20]
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+class Waiter:
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.done: dict[int, m.Done] = {}
+
+    def __call__(self, d: m.Done) -> None:
+        with self.cv:
+            self.done[d.event] = d
+            self.cv.notify_all()
+
+    def wait(self, events: list[int], timeout: float = 120) -> None:
+        with self.cv:
+            ok = self.cv.wait_for(lambda: all(e in self.done for e in events), timeout)
+        assert ok, "transfers did not complete"
+        bad = [self.done[e] for e in events if self.done[e].code != m.Code.OK]
+        assert not bad, bad[0]
+
+
+def run_size(sock: str, block: int, total: int, batch: int, repeat: int) -> dict:
+    n = total // block
+    fp = m.Fingerprint(model=f"bench-{block}", dtype="bf16", kv_dtype="bf16",
+                       block_tokens=16, tp_size=1, rank_page_bytes=[block],
+                       hash_algo="sha256", root_hash=b"")
+    src = np.random.default_rng(1).integers(0, 255, (n, block), dtype=np.uint8)
+    dst = np.ones((n, block), dtype=np.uint8)  # written once: pages are resident
+    waiter = Waiter()
+    reg_src = m.Register(0, fp, 0, host_regions([src]))
+    reg_dst = m.Register(0, fp, 0, host_regions([dst]))
+    sched = Connection(sock, register=m.Register(0, fp, -1), timeout=30)
+    a = Connection(sock, register=reg_src, on_done=waiter, timeout=30)
+    b = Connection(sock, register=reg_dst, on_done=waiter, timeout=30)
+    assert sched.wait_up(10) and a.wait_up(10) and b.wait_up(10)
+    rng = np.random.default_rng(2)
+    per = max(1, batch // block)
+    event = 0
+    store_s, load_s = [], []
+    try:
+        for rep in range(repeat):
+            keys = [f"{block}-{rep}-{i}".encode().ljust(36, b"\0") for i in range(n)]
+            slots = np.concatenate([
+                unpack_u32(sched.request(m.Allocate(sched.next_req(), keys[i:i + 8192])).slots)
+                for i in range(0, n, 8192)])
+            order = rng.permutation(n)
+            events = []
+            t0 = time.perf_counter()
+            for i in range(0, n, per):
+                event += 1
+                events.append(event)
+                a.send(m.Transfer(a.next_req(), event, m.Direction.STORE,
+                                  pack_u32(order[i:i + per]), pack_u32(slots[i:i + per])))
+            waiter.wait(events)
+            store_s.append(time.perf_counter() - t0)
+            hit = sched.request(m.Lookup(sched.next_req(), keys))
+            assert hit.hits == n
+            hslots = unpack_u32(hit.slots)
+            dorder = rng.permutation(n)
+            events = []
+            t0 = time.perf_counter()
+            for i in range(0, n, per):
+                event += 1
+                events.append(event)
+                b.send(m.Transfer(b.next_req(), event, m.Direction.LOAD,
+                                  pack_u32(dorder[i:i + per]), pack_u32(hslots[i:i + per])))
+            waiter.wait(events)
+            load_s.append(time.perf_counter() - t0)
+            # Correctness: dst[dorder[j]] == src[order[j]].
+            j = rng.integers(0, n, 16)
+            assert (dst[dorder[j]] == src[order[j]]).all(), "loaded bytes differ"
+            sched.request(m.Release(sched.next_req(), hit.lease))
+            sched.request(m.Evict(sched.next_req(), -1))
+    finally:
+        for c in (a, b, sched):
+            c.close()
+    nbytes = n * block
+    return {"block_kib": block // 1024, "blocks": n,
+            "store_gbps": nbytes / min(store_s) / 1e9, "load_gbps": nbytes / min(load_s) / 1e9}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--total", default="256M", help="bytes moved per direction and size")
+    p.add_argument("--batch", default="16M", help="bytes per Transfer message")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--copy-threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    total, batch = parse_size(args.total), parse_size(args.batch)
+    pool = max(4 * total, 1 << 30)
+    rows = []
+    with daemon("--pool-size", str(pool), "--extent-size", "64M",
+                "--copy-threads", str(args.copy_threads)) as (sock, _):
+        for block in SIZES:
+            base = memcpy_gbps(total, 5)
+            r = run_size(sock, block, total, batch, args.repeat)
+            r["memcpy_gbps"] = base
+            r["store_ratio"] = r["store_gbps"] / base
+            r["load_ratio"] = r["load_gbps"] / base
+            target = 0.70 if block >= 64 << 10 else 0.50
+            r["target"] = target
+            r["ok"] = "yes" if min(r["store_ratio"], r["load_ratio"]) >= target else "NO"
+            rows.append(r)
+    emit(rows, [("block_kib", "block KiB", "d"), ("blocks", "blocks", "d"),
+                ("memcpy_gbps", "memcpy GB/s", ".2f"), ("store_gbps", "store GB/s", ".2f"),
+                ("load_gbps", "load GB/s", ".2f"), ("store_ratio", "store/memcpy", ".2f"),
+                ("load_ratio", "load/memcpy", ".2f"), ("target", "target", ".2f"),
+                ("ok", "met", "s")],
+         args.json, {"copy_threads": args.copy_threads, "total_bytes": total})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

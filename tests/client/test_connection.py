@@ -1,0 +1,112 @@
+"""Fail-open behaviour of the client against a real daemon that is absent, dies,
+hangs and comes back."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvd_client import Connection, Timeout, Unavailable, host_regions
+from kvd_proto import messages as m
+from kvd_proto.ids import pack_u32, unpack_u32
+from tests.daemon.workers import Spec, fingerprint
+
+
+def wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+def test_absent_daemon_fails_fast(tmp_path):
+    c = Connection(str(tmp_path / "nobody.sock"), timeout=5)
+    try:
+        assert not c.wait_up(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            c.request(m.Ping(c.next_req()))
+        assert not c.send(m.Transfer(c.next_req(), 1, m.Direction.STORE, b"", b""))
+        assert time.monotonic() - t0 < 0.1  # a breaker, not a wait for the deadline
+        assert c.stats.unavailable == 2
+    finally:
+        c.close()
+
+
+def test_reconnects_and_reregisters_after_a_daemon_restart(daemon):
+    spec = Spec(daemon.socket, pages=(4096,))
+    mem = [np.zeros((8, 4096), dtype=np.uint8)]
+    dones: list[m.Done] = []
+    c = Connection(daemon.socket, ping_interval=0.2, timeout=1.0, on_done=dones.append,
+                   register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
+    sched = Connection(daemon.socket, ping_interval=0.2, timeout=1.0,
+                       register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5) and sched.wait_up(5)
+        first = c.instance
+        daemon.kill()
+        assert wait_for(lambda: not c.up, 5), "loss of the daemon not noticed"
+        with pytest.raises(Unavailable):
+            sched.request(m.Lookup(sched.next_req(), [b"k"]))
+        daemon.start()
+        assert c.wait_up(10) and sched.wait_up(10)
+        assert c.instance != first and c.stats.reconnects == 1
+        # Registered again by itself: the new daemon serves both.
+        slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), [b"k"])).slots)
+        assert c.send(m.Transfer(c.next_req(), 4, m.Direction.STORE, pack_u32([0]),
+                                 pack_u32(slots)))
+        assert wait_for(lambda: dones and dones[-1].event == 4, 5)
+        assert dones[-1].code == m.Code.OK
+        assert sched.request(m.Lookup(sched.next_req(), [b"k"])).hits == 1
+    finally:
+        c.close()
+        sched.close()
+
+
+def test_a_hung_daemon_costs_at_most_the_deadline(daemon):
+    spec = Spec(daemon.socket, pages=(4096,))
+    c = Connection(daemon.socket, ping_interval=0.2, timeout=0.3,
+                   register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            c.request(m.Lookup(c.next_req(), [b"k"]))
+        assert time.monotonic() - t0 < 0.6
+        assert wait_for(lambda: not c.up, 3)  # pings stopped coming back: breaker open
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            c.request(m.Lookup(c.next_req(), [b"k"]))
+        assert time.monotonic() - t0 < 0.05
+        daemon.proc.send_signal(signal.SIGCONT)
+        assert c.wait_up(10)
+        assert c.request(m.Lookup(c.next_req(), [b"k"])).hits == 0
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        c.close()
+
+
+def test_lost_transfers_complete_with_an_error(daemon):
+    """Every Transfer ends in exactly one Done, even when the daemon dies under it."""
+    spec = Spec(daemon.socket, pages=(4096,))
+    mem = [np.zeros((8, 4096), dtype=np.uint8)]
+    dones: list[m.Done] = []
+    c = Connection(daemon.socket, ping_interval=0.2, timeout=0.5, on_done=dones.append,
+                   register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
+    try:
+        assert c.wait_up(5)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        assert c.send(m.Transfer(c.next_req(), 11, m.Direction.STORE, pack_u32([0]),
+                                 pack_u32([0])))
+        daemon.kill()
+        assert wait_for(lambda: len(dones) == 1, 5)
+        assert dones[0].event == 11 and dones[0].code == m.Code.CLIENT_GONE
+        assert c.stats.lost_transfers == 1
+    finally:
+        c.close()

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.allocator import Allocator, AllocatorError
+
+EXTENT = 64 * 1024
+
+
+def test_slots_are_disjoint_and_inside_the_pool():
+    a = Allocator(8 * EXTENT, EXTENT, 1024)
+    slots = [a.alloc(4096) for _ in range(8 * 16)]
+    assert None not in slots and a.alloc(4096) is None
+    offs = a.offsets(np.array(slots), 4096)
+    assert len(set(offs.tolist())) == len(slots)
+    assert offs.min() >= 0 and offs.max() + 4096 <= a.capacity_bytes
+    assert a.used_bytes == a.capacity_bytes
+
+
+def test_an_emptied_extent_serves_another_size_class():
+    a = Allocator(2 * EXTENT, EXTENT, 1024)
+    small = [a.alloc(1024) for _ in range(2 * 64)]
+    assert a.alloc(8192) is None
+    for s in small[:64]:  # empties the first extent
+        a.free(s)
+    big = [a.alloc(8192) for _ in range(8)]
+    assert None not in big and a.alloc(8192) is None
+    assert a.used_bytes == 64 * 1024 + 8 * 8192
+
+
+def test_oversized_and_undersized_slots_are_refused():
+    a = Allocator(2 * EXTENT, EXTENT, 1024)
+    with pytest.raises(AllocatorError, match="extent"):
+        a.alloc(EXTENT + 1)
+    with pytest.raises(AllocatorError, match="min_slot_bytes"):
+        a.alloc(512)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1024, 3000, 4096, 20000]), st.booleans()),
+                max_size=300))
+def test_accounting_is_exact(ops):
+    """Random alloc/free of mixed sizes: used bytes match, no overlap, back to zero."""
+    a = Allocator(6 * EXTENT, EXTENT, 1024)
+    live: dict[int, int] = {}
+    for size, free_one in ops:
+        if free_one and live:
+            slot = next(iter(live))
+            a.free(slot)
+            del live[slot]
+        else:
+            slot = a.alloc(size)
+            if slot is not None:
+                assert slot not in live
+                live[slot] = size
+        assert a.used_bytes == sum(live.values())
+        assert a.used_slots == len(live)
+        spans = sorted((int(a.offsets(np.array([s]), z)[0]), z) for s, z in live.items())
+        for (o1, z1), (o2, _) in zip(spans, spans[1:]):
+            assert o1 + z1 <= o2
+        assert all(o + z <= a.capacity_bytes for o, z in spans)
+    for slot in list(live):
+        a.free(slot)
+    assert a.used_bytes == 0 and a.free_slots(4096) == a.total_slots(4096)

@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.allocator import Allocator
+from kvd.core.index import NO_SLOT, PENDING, READY, Index
+from kvd.core.policies import make_policy, policy_names
+from kvd.core.tenants import Tenants
+
+BLOCK = 4096
+
+
+def make_index(blocks: int = 16, policy: str = "lru", tp: int = 1):
+    a = Allocator(blocks * BLOCK * tp, 4 * BLOCK * tp, 1024)
+    ix = Index(a, make_policy(policy, blocks))
+    tenants = Tenants()
+    t = tenants.get_or_create("t", model="m", tp_size=tp, rank_page_bytes=(BLOCK,))
+    return ix, t, tenants
+
+
+def store(ix, t, keys, rank=0):
+    r = ix.allocate(t, keys)
+    slots = np.array([s for s in r.slots if s != NO_SLOT], dtype=np.int64)
+    ix.store_done(slots, rank)
+    return r
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(8, "little")
+
+
+def test_lookup_counts_the_leading_ready_run_and_leases_it():
+    ix, t, _ = make_index()
+    store(ix, t, [k(i) for i in range(4)])
+    ix.allocate(t, [k(4)])  # PENDING
+    hits, slots, lease, pending = ix.lookup(t, [k(0), k(1), k(2), k(3), k(4), k(5)],
+                                            lease_s=10.0)
+    assert (hits, pending, len(slots)) == (4, 1, 4)
+    assert ix.pins[slots].tolist() == [1] * 4
+    assert ix.release(lease)
+    assert ix.pinned_blocks == 0
+    assert ix.lookup(t, [k(9), k(0)])[0] == 0  # a hole ends the run
+
+
+def test_tenants_do_not_share_keys():
+    ix, t, tenants = make_index()
+    other = tenants.get_or_create("o", model="m2", tp_size=1, rank_page_bytes=(BLOCK,))
+    store(ix, t, [k(1)])
+    assert ix.lookup(other, [k(1)])[0] == 0
+    assert ix.lookup(t, [k(1)])[0] == 1
+
+
+def test_ready_only_after_every_rank():
+    ix, t, _ = make_index(tp=2)
+    r = ix.allocate(t, [k(1), k(2)])
+    slots = np.array(r.slots)
+    assert ix.store_done(slots, 0) == 0
+    assert ix.lookup(t, [k(1)])[3] == 1  # pending
+    assert ix.store_done(slots, 0) == 0  # the same rank again does not count
+    assert ix.store_done(slots, 1) == 2
+    assert ix.lookup(t, [k(1), k(2)])[0] == 2
+
+
+def test_pinned_blocks_survive_eviction_and_full_pool_says_so():
+    ix, t, _ = make_index(blocks=4)
+    store(ix, t, [k(i) for i in range(4)])
+    _, _, lease, _ = ix.lookup(t, [k(0), k(1)], lease_s=5.0)
+    r = ix.allocate(t, [k(10), k(11), k(12)])
+    assert r.allocated == 2 and sorted(r.evicted) == [k(2), k(3)]
+    assert ix.counters.no_space == 1
+    assert ix.lookup(t, [k(0), k(1)])[0] == 2
+    ix.release(lease)
+
+
+def test_expiry_releases_leases_and_pending():
+    ix, t, _ = make_index()
+    store(ix, t, [k(0)])
+    ix.lookup(t, [k(0)], now=0.0, lease_s=1.0)
+    ix.allocate(t, [k(1)], now=0.0, pending_s=2.0)
+    assert ix.expire(0.5) == (0, 0)
+    assert ix.expire(1.5) == (1, 0)
+    assert ix.expire(2.5) == (0, 1)
+    assert ix.pinned_blocks == 0 and ix.pending_blocks == 0
+    assert ix.allocator.used_slots == 1
+
+
+def test_a_slot_in_use_by_a_copy_is_freed_only_after_it():
+    ix, t, _ = make_index()
+    r = ix.allocate(t, [k(0)])
+    slots = np.array(r.slots)
+    ix.pin(slots)  # a store copy is running
+    ix.abort(slots)  # ...and the request went away
+    assert ix.allocator.used_slots == 1  # not reusable while the copy writes into it
+    ix.unpin(slots)
+    assert ix.allocator.used_slots == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    policy=st.sampled_from(policy_names()),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["alloc", "done", "lookup", "release", "abort", "expire"]),
+                  st.lists(st.integers(0, 40), min_size=1, max_size=6)),
+        max_size=80),
+)
+def test_invariants_under_random_operations(policy, ops):
+    """Capacity never exceeded; PENDING and pinned blocks are never evicted; everything
+    released brings the accounting back to zero."""
+    ix, t, _ = make_index(blocks=8, policy=policy)
+    leases: list[int] = []
+    pending: list[int] = []
+    now = 0.0
+    for op, ids in ops:
+        now += 0.1
+        keys = [k(i) for i in dict.fromkeys(ids)]
+        if op == "alloc":
+            protected = {s for s in range(ix.allocator.max_slots)
+                         if ix.state[s] == PENDING or ix.pins[s] > 0}
+            before = {s: ix.state[s] for s in protected}
+            r = ix.allocate(t, keys, now=now, pending_s=100)
+            pending += [s for s in r.slots if s != NO_SLOT]
+            # Protected blocks stay where they were (PENDING or READY, never evicted).
+            assert all(ix.state[s] == st_ for s, st_ in before.items())
+        elif op == "done" and pending:
+            ix.store_done(np.array(pending[:3]), 0)
+            pending = pending[3:]
+        elif op == "lookup":
+            hits, _, lease, _ = ix.lookup(t, keys, now=now, lease_s=100)
+            if lease:
+                leases.append(lease)
+        elif op == "release" and leases:
+            ix.release(leases.pop())
+        elif op == "abort" and pending:
+            ix.abort(np.array(pending[:1]))
+            pending = pending[1:]
+        elif op == "expire":
+            ix.expire(now)
+        assert ix.allocator.used_slots <= 8
+        assert ix.ready_blocks + ix.pending_blocks == ix.allocator.used_slots
+        assert ix.ready_blocks == int((ix.state == READY).sum()) == t.blocks
+    for lease in leases:
+        ix.release(lease)
+    ix.expire(1e9)
+    ix.evict_tenant(None)
+    assert ix.pinned_blocks == 0 and ix.pending_blocks == 0
+    assert ix.allocator.used_slots == 0 and ix.allocator.used_bytes == 0
+    assert not ix.entries and len(ix.policy) == 0

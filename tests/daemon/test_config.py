@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from kvd.config import Config, load, parse_size
+from kvd.errors import ConfigError
+
+
+def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
+    f = tmp_path / "kvd.toml"
+    f.write_text('pool_size = "1G"\npolicy = "lru"\ncopy_threads = 3\nlog_level = "debug"\n')
+    env = {"KVD_POOL_SIZE": "2G", "KVD_COPY_THREADS": "4"}
+    cfg, origin = load(str(f), env, {"pool_size": "3G"})
+    assert cfg.pool_size == 3 << 30 and origin["pool_size"] == "flag"
+    assert cfg.copy_threads == 4 and origin["copy_threads"] == "env"
+    assert cfg.log_level == "debug" and origin["log_level"].startswith("file")
+    assert cfg.extent_size == Config().extent_size and origin["extent_size"] == "default"
+
+
+def test_unknown_key_is_rejected_naming_it(tmp_path):
+    f = tmp_path / "kvd.toml"
+    f.write_text("pool_sise = 5\n")
+    with pytest.raises(ConfigError, match="pool_sise"):
+        load(str(f), {})
+    with pytest.raises(ConfigError, match="bogus"):
+        load(None, {"KVD_BOGUS": "1"})
+
+
+@pytest.mark.parametrize("env,key", [
+    ({"KVD_COPY_THREADS": "many"}, "copy_threads"),
+    ({"KVD_LOG_LEVEL": "loud"}, "log_level"),
+    ({"KVD_POOL_SIZE": "12Q"}, "KVD_POOL_SIZE|pool_size"),
+])
+def test_bad_values_are_rejected_naming_the_key(env, key):
+    with pytest.raises(ConfigError, match=key):
+        load(None, env)
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="extent_size"):
+        load(None, {}, {"pool_size": "1M", "extent_size": "64M"})
+
+
+def test_sizes():
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("4G") == 4 << 30
+    assert parse_size("1.5K") == 1536
+    assert parse_size(123) == 123
+    with pytest.raises(ValueError):
+        parse_size("big")

@@ -1,0 +1,76 @@
+"""The wire format is a contract: golden bytes, round trips, and only-grows rules."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvd_proto import messages as m
+from kvd_proto.ids import pack_u32, unpack_u32
+
+
+
+def test_golden_bytes_of_core_messages():
+    # Regenerate deliberately only when PROTOCOL_VERSION changes.
+    assert m.encode(m.Hello(1, 1, 42, "w")).hex() == "95a568656c6c6f01012aa177"
+    assert m.encode(m.Lookup(7, [b"\x01\x02"], 1000, 3)).hex() == (
+        "95a66c6f6f6b757007" "91c4020102" "cd03e8" "03")
+    assert m.encode(m.Done(9, 5)).hex() == (
+        "97a4646f6e65" "0905" "00" "a0" "00" "cb0000000000000000")
+    t = m.Transfer(9, 5, m.Direction.LOAD, pack_u32([1, 2]), pack_u32([3]))
+    assert m.encode(t).hex() == (
+        "97a87472616e73666572" "09" "05" "01" "c4080100000002000000" "c40403000000" "ff")
+
+
+@pytest.mark.parametrize("msg", [
+    m.Hello(1, m.PROTOCOL_VERSION, 10, "x"),
+    m.Register(2, m.Fingerprint("m", "bf16", "bf16", 16, 2, [4096, 8192], "sha256", b"r"), 1,
+               [m.HostRegion(1 << 40, 10, 8192, 4096)]),
+    m.Lookup(3, [b"a" * 36, b"b" * 36]),
+    m.Allocate(4, [b"a"], 2, 1000),
+    m.Transfer(5, 1, m.Direction.STORE, pack_u32([1]), pack_u32([2]), 3),
+    m.Release(6, 99), m.Abort(7, pack_u32([1])), m.Stats(8), m.Evict(9, -1), m.Ping(10),
+])
+def test_requests_round_trip(msg):
+    assert m.decode_request(m.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", [
+    m.HelloOk(1, 1, 2, "inst", 3), m.Registered(2, 1, 8192, 4096),
+    m.LookupOk(3, 2, pack_u32([1, 2]), 5, 1), m.Allocated(4, pack_u32([1]), [b"k"], 1),
+    m.Done(5, 1, m.Code.CHECKSUM, "bad", 0, 0.5), m.StatsOk(6, b"{}"), m.Ok(7, 1),
+    m.Error(8, m.Code.NO_SPACE, "full"),
+])
+def test_replies_round_trip(msg):
+    assert m.decode_reply(m.encode(msg)) == msg
+
+
+def test_tags_are_unique_and_every_message_has_a_request_id():
+    structs = [t for t in m.Request.__args__ + m.Reply.__args__]
+    tags = [t.__struct_config__.tag for t in structs]
+    assert len(tags) == len(set(tags))
+    assert all(t.__struct_fields__[0] == "req" for t in structs)
+
+
+def test_an_older_message_without_new_trailing_fields_still_decodes():
+    # A peer that predates Lookup.depth sends four fields; the default fills the fifth.
+    old = msgspec.msgpack.encode(["lookup", 3, [b"k"], 500])
+    assert m.decode_request(old) == m.Lookup(3, [b"k"], 500, 0)
+
+
+def test_packed_ids():
+    ids = np.array([0, 1, 0xFFFFFFFF], dtype=np.uint64)
+    assert unpack_u32(pack_u32(ids)).tolist() == ids.tolist()
+    with pytest.raises(ValueError):
+        pack_u32([-1])
+    with pytest.raises(ValueError):
+        unpack_u32(b"\x00\x01\x02")
+
+
+def test_bad_input_raises_decode_errors_not_crashes():
+    for data in (b"", b"\xc1", b"\x92\xa5hello\x01", m.encode(m.Ping(1))[:-1]):
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            m.decode_request(data)
+    assert m.peek_req(m.encode(m.Lookup(77, [b"k"]))[:-1]) == 0
+    assert m.peek_req(m.encode(m.Lookup(77, [b"k"]))) == 77
