@@ -43,10 +43,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     policy: str = ""  # empty: the registry's default
     copy_threads: int = 2
     cuda: bool = True  # use the GPU data path when a CUDA device is usable
+    persist: bool = False  # keep the pool file and an index journal across restarts
+    journal_path: str = ""  # empty: <pool_path>.journal
+    verify_on_load: bool = False  # check a block's xxh3 before every load
     max_lease_ms: int = 120_000
     max_pending_ms: int = 600_000
     max_keys_per_request: int = 65_536
     log_level: LogLevel = "info"
+    metrics_port: int = 9727  # Prometheus endpoint; 0 disables it
+    metrics_addr: str = "127.0.0.1"  # loopback: expose it wider on purpose only
+    stop_timeout_ms: int = 10_000  # SIGTERM waits this long for in-flight transfers
 
     def __post_init__(self) -> None:
         if self.pool_size < self.extent_size:
@@ -57,6 +63,17 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError("copy_threads must be at least 1")
         if self.min_slot_bytes < 64:
             raise ValueError("min_slot_bytes must be at least 64")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} not in 0..65535")
+
+    @property
+    def journal(self) -> str:
+        return self.journal_path or self.pool_path + ".journal"
+
+    @property
+    def checksums(self) -> bool:
+        """Checksums cost a hash per stored block: computed only when something reads them."""
+        return self.persist or self.verify_on_load
 
 
 FIELDS = frozenset(Config.__struct_fields__)

@@ -22,15 +22,21 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class Pool:
-    def __init__(self, path: str, size: int, *, prefault: bool = True, lock: bool = False):
+    def __init__(self, path: str, size: int, *, prefault: bool = True, lock: bool = False,
+                 keep: bool = False):
+        """``keep``: reuse the file's contents (a warm restart) when its size matches."""
         self.path = path
         self.size = size
+        self.keep = keep
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
             raise ConfigError(f"cannot open pool file {path}: {e.strerror}") from None
         try:
+            self.reused = keep and os.fstat(fd).st_size == size
+            if not self.reused:
+                os.ftruncate(fd, 0)  # stale bytes of another geometry never survive
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
@@ -62,12 +68,14 @@ class Pool:
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.array[offset:offset + nbytes]
 
-    def close(self, unlink: bool = True) -> None:
+    def close(self, unlink: bool | None = None) -> None:
         self.array = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
+        if unlink is None:
+            unlink = not self.keep
         if unlink:
             try:
                 os.unlink(self.path)

@@ -98,6 +98,37 @@ class Allocator:
         self.used_slots += 1
         return e * self.slots_per_extent_max + i
 
+    def claim(self, slot: int, slot_bytes: int) -> bool:
+        """Allocate this exact slot (restoring a pool after a restart); False when the
+        slot is taken, out of range, or its extent serves another size class."""
+        e, i = divmod(slot, self.slots_per_extent_max)
+        if not 0 <= e < self.n_extents:
+            return False
+        sc = self._class(slot_bytes)
+        if i >= sc.per_extent:
+            return False
+        if self._extent_class[e] is None:
+            if e not in self._free_extents:
+                return False
+            self._free_extents.remove(e)
+            self._extent_class[e] = sc
+            self._extent_free[e] = list(range(sc.per_extent - 1, -1, -1))
+            sc.extents.add(e)
+            sc.partial.add(e)
+        elif self._extent_class[e] is not sc:
+            return False
+        free = self._extent_free[e]
+        try:
+            free.remove(i)
+        except ValueError:
+            return False
+        if not free:
+            sc.partial.discard(e)
+        self._extent_used[e] += 1
+        self.used_bytes += slot_bytes
+        self.used_slots += 1
+        return True
+
     def free(self, slot: int) -> None:
         e, i = divmod(slot, self.slots_per_extent_max)
         sc = self._extent_class[e]

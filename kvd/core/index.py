@@ -46,6 +46,7 @@ class _Pending:
     depth: int
     tenant: Tenant
     length: int = 0  # depth of the end of the allocating request's chain
+    checksums: list[int] | None = None  # per rank, as the copies report them
 
 
 @dataclass
@@ -70,6 +71,9 @@ class Index:
     # eviction use tenant-scoped keys (tenant id bytes + key) through ``entries``.
     entries: dict[bytes, int] = field(default_factory=dict)  # scoped key -> slot
     counters: IndexCounters = field(default_factory=IndexCounters)
+    # Persistence: when on, commits and drops of READY blocks are queued in ``events``
+    # (plain tuples; the shell writes them to the journal before answering).
+    record: bool = False
 
     def __post_init__(self) -> None:
         n = self.allocator.max_slots
@@ -85,6 +89,8 @@ class Index:
         self._next_lease = 1
         self._spaces: dict[int, dict[bytes, int]] = {}  # tenant id -> key -> slot
         self._touches: list[tuple[list[int], int]] = []  # hits not yet told to the policy
+        self.checksums: dict[int, list[int]] = {}  # READY slot -> per-rank xxh3
+        self.events: list[tuple] = []  # ("commit", tenant, key, slot, depth, sums) | ("drop", slot)
 
     # ------------------------------------------------------------ queries
     @property
@@ -237,24 +243,41 @@ class Index:
             self.rank_mask[arr] = 0
         return AllocateResult(slots[:answered], evicted, answered, total)
 
-    def store_done(self, slots: np.ndarray, rank: int) -> int:
-        """One rank finished copying into these PENDING slots; returns blocks now READY."""
+    def store_done(self, slots: np.ndarray, rank: int,
+                   checksums: Sequence[int] | None = None) -> int:
+        """One rank finished copying into these PENDING slots; returns blocks now READY.
+
+        ``checksums`` (one per slot, of this rank's share) are kept for verification
+        and the journal."""
         self.flush()
         bit = np.uint64(1 << rank)
         s = slots.astype(np.int64, copy=False)
-        s = s[self.state[s] == PENDING]
+        live = self.state[s] == PENDING
+        s = s[live]
+        sums = (None if checksums is None  # python ints: 64-bit hashes overflow int64
+                else [c for c, ok in zip(checksums, live.tolist()) if ok])
         self.rank_mask[s] |= bit
         pending, doomed, insert = self._pending, self._doomed, self.policy.insert
         now_ready: list[int] = []
-        for slot, mask in zip(s.tolist(), self.rank_mask[s].tolist()):
+        for i, (slot, mask) in enumerate(zip(s.tolist(), self.rank_mask[s].tolist())):
             p = pending.get(slot)
             if p is None or slot in doomed:
                 continue
+            if sums is not None:
+                if p.checksums is None:
+                    p.checksums = [0] * p.tenant.tp_size
+                p.checksums[rank] = sums[i]
             if mask == p.tenant.full_mask:
                 del pending[slot]
                 now_ready.append(slot)
                 p.tenant.blocks += 1
-                insert(self._slot_key[slot], p.depth, length=p.length)
+                key = self._slot_key[slot]
+                insert(key, p.depth, length=p.length)
+                if p.checksums is not None:
+                    self.checksums[slot] = p.checksums
+                if self.record:
+                    self.events.append(("commit", p.tenant.id, key[4:], slot, p.depth,
+                                        p.checksums or []))
         ready = len(now_ready)
         if ready:
             self.state[np.array(now_ready, dtype=np.int64)] = READY
@@ -272,6 +295,48 @@ class Index:
                 n += 1
         self.counters.failed_stores += n
         return n
+
+    def restore(self, tenant: Tenant, key: bytes, slot: int, depth: int,
+                checksums: list[int]) -> bool:
+        """Put back a READY block found in the pool after a restart (already verified).
+        False when the slot cannot be claimed (geometry changed, or already taken)."""
+        if tenant.prefix + key in self.entries:
+            return False
+        if not self.allocator.claim(slot, tenant.slot_bytes):
+            return False
+        scoped = tenant.prefix + key
+        self.entries[scoped] = slot
+        self._spaces.setdefault(tenant.id, {})[key] = slot
+        self._slot_key[slot] = scoped
+        self._slot_tenant[slot] = tenant
+        self.state[slot] = READY
+        self.tenant_of[slot] = tenant.id
+        self.rank_mask[slot] = tenant.full_mask
+        self.checksums[slot] = list(checksums)
+        tenant.blocks += 1
+        self.policy.insert(scoped, depth)
+        return True
+
+    def discard(self, slots: Sequence[int]) -> int:
+        """Remove READY blocks now (e.g. they failed verification); a slot still pinned
+        by a lease or a copy is freed when its pins reach zero."""
+        self.flush()
+        n = 0
+        for slot in slots:
+            if self.state[slot] == READY:
+                self.policy.remove(self._slot_key[slot])
+                self._drop_entry(slot)
+                n += 1
+        return n
+
+    def live_blocks(self) -> list[tuple[int, bytes, int, int, list[int]]]:
+        """(tenant, key, slot, depth, checksums) of every READY block, for a snapshot."""
+        out = []
+        for slot, key in self._slot_key.items():
+            if self.state[slot] == READY:
+                t = self._slot_tenant[slot]
+                out.append((t.id, key[4:], slot, 0, self.checksums.get(slot, [])))
+        return out
 
     # ------------------------------------------------------------ housekeeping
     def expire(self, now: float) -> tuple[int, int]:
@@ -363,7 +428,7 @@ class Index:
         ready = (self.state[arr] == READY).tolist()
         pinned = (self.pins[arr] > 0).tolist()
         entries, slot_key, slot_tenant = self.entries, self._slot_key, self._slot_tenant
-        spaces = self._spaces
+        spaces, record = self._spaces, self.record
         for slot, is_ready in zip(slots, ready):
             key = slot_key.pop(slot)
             del entries[key]
@@ -371,6 +436,9 @@ class Index:
             del spaces[t.id][key[4:]]
             if is_ready:
                 t.blocks -= 1
+                self.checksums.pop(slot, None)
+                if record:
+                    self.events.append(("drop", slot))
         self.state[arr] = FREE
         free = [s for s, p in zip(slots, pinned) if not p]
         if len(free) < len(slots):
@@ -388,6 +456,9 @@ class Index:
         del self._spaces[t.id][key[4:]]
         if self.state[slot] == READY:
             t.blocks -= 1
+            self.checksums.pop(slot, None)
+            if self.record:
+                self.events.append(("drop", slot))
         self.state[slot] = FREE
         if self.pins[slot] > 0:
             self._doomed.add(slot)  # an in-flight copy still uses it

@@ -82,6 +82,15 @@ class Tenants:
         self._by_id[t.id] = t
         return t
 
+    def restore(self, tenant_id: int, digest: str, *, model: str, tp_size: int,
+                rank_page_bytes: tuple[int, ...]) -> Tenant:
+        """Recreate a tenant with the id it had before a restart."""
+        t = Tenant(tenant_id, digest, model, tp_size, tuple(rank_page_bytes))
+        self._by_digest[digest] = t
+        self._by_id[tenant_id] = t
+        self._next = max(self._next, tenant_id + 1)
+        return t
+
     def get(self, tenant_id: int) -> Tenant | None:
         return self._by_id.get(tenant_id)
 

@@ -12,8 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
-from kvd_proto.messages import Direction, Register
+from kvd.errors import TransferError
+from kvd_proto.messages import Code, Direction, Register
 
 
 @dataclass(eq=False)
@@ -64,3 +66,33 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+def checksums(pool: np.ndarray, offsets: np.ndarray, length: int) -> list[int]:
+    """xxh3-64 of ``length`` pool bytes at each offset (one hash call per block: the
+    hash itself is the work, there is nothing to vectorize)."""
+    h = xxhash.xxh3_64_intdigest
+    return [h(pool[o:o + length]) for o in offsets.tolist()]
+
+
+def verify_then(job: CopyJob, pool: np.ndarray | None) -> Exception | None:
+    """Before a load: compare each slot's share with its recorded checksum."""
+    spec = job.context.get("verify")
+    if spec is None or pool is None:
+        return None
+    offsets, length, expected = spec
+    got = checksums(pool, offsets, length)
+    bad = [i for i, (g, e) in enumerate(zip(got, expected)) if e and g != e]
+    if not bad:
+        return None
+    job.context["corrupt"] = bad
+    return TransferError(f"{len(bad)} of {len(got)} blocks failed their checksum; "
+                         "they were dropped from the pool", Code.CHECKSUM)
+
+
+def checksum_after(job: CopyJob, pool: np.ndarray | None) -> None:
+    """After a store: record the checksum of every slot share just written."""
+    spec = job.context.get("sum")
+    if spec is not None and pool is not None:
+        offsets, length = spec
+        job.context["checksums"] = checksums(pool, offsets, length)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.engines.base import CopyJob, DoneCallback, TransferEngine
+from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_after,
+                              verify_then)
 from kvd_proto.ids import coalesce
 from kvd.errors import TransferError
 from kvd_proto.messages import Code, Direction
@@ -100,13 +101,16 @@ class _JobState:
     remaining: int
     started: float
     error: Exception | None = None
+    bounds: list[tuple[int, int]] | None = None  # chunks held back until verified
 
 
 class HostEngine(TransferEngine):
     name = "host"
 
-    def __init__(self, on_done: DoneCallback, threads: int = 2) -> None:
+    def __init__(self, on_done: DoneCallback, threads: int = 2,
+                 pool: np.ndarray | None = None) -> None:
         super().__init__(on_done)
+        self.pool = pool  # the daemon's pool mapping, for checksums
         self._q: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -135,6 +139,9 @@ class HostEngine(TransferEngine):
         if not bounds:
             bounds = [(0, 0)]
         state = _JobState(len(bounds), time.perf_counter())
+        if "verify" in job.context:
+            # Verify on a copy thread first (never on the loop); copies follow if clean.
+            state.remaining, state.bounds, bounds = 1, bounds, [(-1, -1)]
         with self._lock:
             if self._closed:
                 self.on_done(job, TransferError("daemon is stopping", Code.ABORTED), 0.0)
@@ -149,7 +156,14 @@ class HostEngine(TransferEngine):
                 return
             job, st = chunk.job, chunk.state
             err: Exception | None = None
-            if st.error is None and chunk.hi > chunk.lo:
+            if chunk.lo < 0:  # the verification step of a load
+                err = verify_then(job, self.pool)
+                if err is None and st.bounds:
+                    with self._lock:
+                        st.remaining += len(st.bounds)
+                    for lo, hi in st.bounds:
+                        self._q.put(_Chunk(job, lo, hi, st))
+            elif st.error is None and chunk.hi > chunk.lo:
                 try:
                     vm_copy(job.direction, job.pid, job.pool[chunk.lo:chunk.hi],
                             job.remote[chunk.lo:chunk.hi], job.lengths[chunk.lo:chunk.hi])
@@ -161,6 +175,8 @@ class HostEngine(TransferEngine):
                 st.remaining -= 1
                 last = st.remaining == 0
             if last:
+                if st.error is None and job.direction == Direction.STORE:
+                    checksum_after(job, self.pool)
                 self.on_done(job, st.error, time.perf_counter() - st.started)
 
     def close(self) -> None:

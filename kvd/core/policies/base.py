@@ -64,7 +64,7 @@ _REGISTRY: dict[str, str] = {
     "s3fifo": "kvd.core.policies.s3fifo:S3FIFOPolicy",
     "chain": "kvd.core.policies.chain:ChainPolicy",
 }
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "chain"
 
 
 def register_policy(name: str, target: str) -> None:

@@ -10,7 +10,8 @@ simply dropped), so offering k victims costs O(k log n).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from heapq import heappush
+from collections.abc import Iterator, Sequence
 
 from kvd.core.policies.base import Key
 
@@ -40,6 +41,20 @@ class KeyHeap:
         heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._live) + 64:
             self._heap = list(self._live.values())
+            heapq.heapify(self._heap)
+
+    def push_run(self, keys: Sequence[Key], priority: float, first_tie: int) -> None:
+        """Push ``keys[i]`` with tie-break ``first_tie - i``, all at one priority."""
+        if self._held:
+            self._restore()
+        live, heap, seq = self._live, self._heap, self._seq
+        for i, key in enumerate(keys):
+            entry = (priority, first_tie - i, seq + i, key)
+            live[key] = entry
+            heappush(heap, entry)
+        self._seq = seq + len(keys)
+        if len(heap) > 2 * len(live) + 64:
+            self._heap = list(live.values())
             heapq.heapify(self._heap)
 
     def discard(self, key: Key) -> float | None:

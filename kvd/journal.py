@@ -1,0 +1,179 @@
+"""The index journal: what a restarted daemon needs to serve the pool it left behind.
+
+An append-only file of framed records: ``u32 length | u64 xxh3 | msgpack payload``. A
+torn tail (the daemon was killed mid-write) fails its checksum and ends the replay;
+everything before it stands. Records:
+
+- Header: the pool geometry; a journal for another geometry is ignored.
+- TenantRec: tenant ids are stable across restarts.
+- Commit: a block became READY (key, slot, depth, one xxh3 per TP rank's share).
+- Drop: a READY block left the pool (evicted, flushed, failed verification).
+
+Ordering is what makes kill -9 safe: a Drop is written before the Allocate reply that
+hands the slot out again, and a Commit only after every rank's bytes are in the pool
+(a MAP_SHARED file, so they survive the process). Writes are plain ``os.write`` calls:
+page cache survives a killed process; ``fsync`` is for the compacted snapshot only.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+import xxhash
+
+_FRAME = struct.Struct("<IQ")
+MAX_RECORD = 1 << 20
+
+
+class Header(msgspec.Struct, array_like=True, tag="h"):
+    pool_size: int
+    extent_size: int
+    min_slot_bytes: int
+    version: int = 1
+
+
+class TenantRec(msgspec.Struct, array_like=True, tag="t"):
+    id: int
+    digest: str
+    model: str
+    tp_size: int
+    rank_page_bytes: list[int]
+
+
+class Commit(msgspec.Struct, array_like=True, tag="c"):
+    tenant: int
+    key: bytes
+    slot: int
+    depth: int
+    checksums: list[int]
+
+
+class Drop(msgspec.Struct, array_like=True, tag="d"):
+    slot: int
+
+
+Record = Header | TenantRec | Commit | Drop
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Record)
+
+
+def frame(rec: Record) -> bytes:
+    payload = _enc.encode(rec)
+    return _FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+
+
+def read_records(path: str) -> Iterator[Record]:
+    """Every intact record, in order; stops quietly at a torn or corrupt tail."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return
+    pos = 0
+    while pos + _FRAME.size <= len(data):
+        length, check = _FRAME.unpack_from(data, pos)
+        start = pos + _FRAME.size
+        payload = data[start:start + length]
+        if length > MAX_RECORD or len(payload) < length:
+            return
+        if xxhash.xxh3_64_intdigest(payload) != check:
+            return
+        try:
+            yield _dec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        pos = start + length
+
+
+@dataclass
+class LiveBlock:
+    tenant: int
+    key: bytes
+    slot: int
+    depth: int
+    checksums: list[int]
+
+
+@dataclass
+class Replay:
+    header: Header | None
+    tenants: dict[int, TenantRec]
+    blocks: dict[int, LiveBlock]  # slot -> block, in commit order
+    records: int
+
+
+def replay(path: str) -> Replay:
+    """Fold the journal into the live state it describes."""
+    header: Header | None = None
+    tenants: dict[int, TenantRec] = {}
+    blocks: dict[int, LiveBlock] = {}
+    n = 0
+    for rec in read_records(path):
+        n += 1
+        if isinstance(rec, Commit):
+            blocks.pop(rec.slot, None)  # re-insert: keeps commit order
+            blocks[rec.slot] = LiveBlock(rec.tenant, rec.key, rec.slot, rec.depth,
+                                         rec.checksums)
+        elif isinstance(rec, Drop):
+            blocks.pop(rec.slot, None)
+        elif isinstance(rec, TenantRec):
+            tenants[rec.id] = rec
+        elif isinstance(rec, Header):
+            if header is not None and rec != header:
+                break  # a second geometry: nothing after it can be trusted
+            header = rec
+    return Replay(header, tenants, blocks, n)
+
+
+class Journal:
+    """Appends records; ``rewrite`` replaces the file with a compact snapshot."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.records = 0
+        self.bytes = os.fstat(self._fd).st_size
+
+    def append(self, records: list[Record]) -> None:
+        if not records:
+            return
+        buf = b"".join([frame(r) for r in records])
+        os.write(self._fd, buf)  # one write: a kill leaves at most one torn tail
+        self.bytes += len(buf)
+        self.records += len(records)
+
+    def rewrite(self, records: Iterable[Record]) -> None:
+        """Atomically replace the journal with ``records``."""
+        self.write_snapshot(records)
+        self.swap_snapshot([])
+
+    def write_snapshot(self, records: Iterable[Record]) -> None:
+        """Write a snapshot beside the journal (any thread; the journal stays in use)."""
+        data = b"".join([frame(r) for r in records])
+        fd = os.open(self.path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._snapshot_bytes = len(data)
+
+    def swap_snapshot(self, backlog: list[Record]) -> None:
+        """Append what was journaled since the snapshot, then make it the journal."""
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND)
+        tail = b"".join([frame(r) for r in backlog])
+        if tail:
+            os.write(fd, tail)
+        os.rename(tmp, self.path)  # atomic: a kill sees the old or the new journal
+        os.close(self._fd)
+        self._fd = fd
+        self.bytes = self._snapshot_bytes + len(tail)
+        self.records = len(backlog)
+
+    def close(self) -> None:
+        os.close(self._fd)

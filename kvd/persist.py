@@ -1,0 +1,171 @@
+"""Warm restart: rebuild the index from the journal and the kept pool file.
+
+Every committed block is checked against the xxh3 of each TP rank's share recorded at
+commit time; a block that fails (torn by a kill, or corrupted) is dropped, never served.
+The journal is then rewritten as a compact snapshot of what was restored, and again in
+the background whenever it grows to several times the live block count.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.core.index import Index
+from kvd.core.tenants import Tenant, Tenants
+from kvd.engines.base import checksums
+from kvd.journal import Commit, Drop, Header, Journal, Record, TenantRec, replay
+
+log = logging.getLogger("kvd.persist")
+COMPACT_MIN_RECORDS = 50_000
+
+
+@dataclass
+class Recovery:
+    records: int = 0
+    restored: int = 0
+    corrupt: int = 0
+    unplaceable: int = 0
+    seconds: float = 0.0
+    discarded: str = ""  # why an old journal was not used
+
+
+class Persistence:
+    def __init__(self, path: str, header: Header) -> None:
+        self.header = header
+        self.path = path
+        self.recovery = Recovery()
+        self._compacting: threading.Thread | None = None
+        self._backlog: list[Record] | None = None
+        self.journal: Journal | None = None
+
+    # ------------------------------------------------------------ start
+    def recover(self, index: Index, tenants: Tenants, pool: np.ndarray, reused: bool) -> Recovery:
+        """Restore verified blocks into ``index``; then start a fresh compact journal."""
+        t0 = time.monotonic()
+        rp = replay(self.path)
+        rec = self.recovery
+        rec.records = rp.records
+        if rp.header is None and rp.records:
+            rec.discarded = "journal has no header"
+        elif rp.header is not None and rp.header != self.header:
+            rec.discarded = f"pool geometry changed ({rp.header} -> {self.header})"
+        elif rp.blocks and not reused:
+            rec.discarded = "pool file was recreated (missing or resized)"
+        if rec.discarded:
+            log.warning("not restoring the pool: %s", rec.discarded)
+        else:
+            self._restore(index, tenants, pool, rp)
+        index.events.clear()  # the snapshot below already says all of it
+        self.journal = Journal(self.path)
+        self.journal.rewrite(self.snapshot(index, tenants))
+        rec.seconds = time.monotonic() - t0
+        if rp.records:
+            log.info("restored %d blocks from the journal (%d corrupt dropped, %d not "
+                     "placeable) in %.2fs", rec.restored, rec.corrupt, rec.unplaceable,
+                     rec.seconds)
+        return rec
+
+    def _restore(self, index: Index, tenants: Tenants, pool: np.ndarray, rp) -> None:
+        rec = self.recovery
+        by_id: dict[int, Tenant] = {}
+        for t in rp.tenants.values():
+            by_id[t.id] = tenants.restore(t.id, t.digest, model=t.model, tp_size=t.tp_size,
+                                          rank_page_bytes=tuple(t.rank_page_bytes))
+        alloc = index.allocator
+        for tenant_id, t in by_id.items():
+            blocks = [b for b in rp.blocks.values() if b.tenant == tenant_id]
+            if not blocks:
+                continue
+            slots = np.array([b.slot for b in blocks], dtype=np.int64)
+            ok = (slots >= 0) & (slots < alloc.max_slots)
+            base = np.zeros(len(slots), dtype=np.int64)
+            base[ok] = alloc.offsets(slots[ok], t.slot_bytes)
+            good = ok.tolist()
+            for r in range(t.tp_size):
+                offs = np.clip(base + r * t.rank_bytes, 0, len(pool) - t.rank_bytes)
+                got = checksums(pool, offs, t.rank_bytes)
+                for i, (g, b) in enumerate(zip(got, blocks)):
+                    if len(b.checksums) <= r or b.checksums[r] != g:
+                        good[i] = False
+            rec.corrupt += good.count(False)
+            for b, g in zip(blocks, good):
+                if not g:
+                    continue
+                if index.restore(t, b.key, b.slot, b.depth, b.checksums):
+                    rec.restored += 1
+                else:
+                    rec.unplaceable += 1
+
+    def snapshot(self, index: Index, tenants: Tenants) -> list[Record]:
+        out: list[Record] = [self.header]
+        out += [TenantRec(t.id, t.digest, t.model, t.tp_size, list(t.rank_page_bytes))
+                for t in tenants]
+        out += [Commit(tid, key, slot, depth, sums)
+                for tid, key, slot, depth, sums in index.live_blocks()]
+        return out
+
+    # ------------------------------------------------------------ running
+    def tenant_added(self, t: Tenant) -> None:
+        self._write([TenantRec(t.id, t.digest, t.model, t.tp_size, list(t.rank_page_bytes))])
+
+    def drain(self, index: Index) -> None:
+        """Write the index's queued commits and drops (before any reply goes out)."""
+        if not index.events:
+            return
+        events, index.events = index.events, []
+        log.debug("journal: %d records", len(events))
+        self._write([Commit(e[1], e[2], e[3], e[4], list(e[5])) if e[0] == "commit"
+                     else Drop(e[1]) for e in events])
+
+    def _write(self, records: list[Record]) -> None:
+        assert self.journal is not None
+        self.journal.append(records)
+        if self._backlog is not None:
+            self._backlog.extend(records)
+
+    def maybe_compact(self, index: Index, tenants: Tenants) -> None:
+        """Rewrite the journal in a thread once it holds many more records than blocks."""
+        j = self.journal
+        if j is None or self._compacting is not None:
+            return
+        if j.records < max(COMPACT_MIN_RECORDS, 4 * index.ready_blocks):
+            return
+        snap = self.snapshot(index, tenants)  # taken on the loop: consistent
+        self._backlog = []
+        self._compacting = threading.Thread(target=self._compact, args=(snap,),
+                                            name="kvd-compact", daemon=True)
+        self._compacting.start()
+
+    def _compact(self, snap: list[Record]) -> None:
+        try:
+            assert self.journal is not None
+            self.journal.write_snapshot(snap)
+        except OSError as e:
+            log.warning("journal compaction failed: %s", e)
+            self._failed = True
+
+    def finish_compaction(self) -> None:
+        """On the loop: when the snapshot is written, add what came meanwhile and swap."""
+        t = self._compacting
+        if t is None or t.is_alive():
+            return
+        self._compacting = None
+        backlog, self._backlog = self._backlog or [], None
+        assert self.journal is not None
+        if getattr(self, "_failed", False):
+            self._failed = False
+            return
+        self.journal.swap_snapshot(backlog)
+        log.info("journal compacted to %d bytes", self.journal.bytes)
+
+    def close(self) -> None:
+        if self._compacting is not None:
+            self._compacting.join(timeout=30)
+            self.finish_compaction()
+        if self.journal is not None:
+            self.journal.close()
