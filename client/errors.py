@@ -28,3 +28,6 @@ class RemoteError(KvdClientError):
         super().__init__(f"{Code(code).name}: {message}")
         self.code = Code(code)
         self.message = message
+
+    def __reduce__(self):  # picklable across processes despite the two-argument init
+        return (type(self), (self.code, self.message))

@@ -53,6 +53,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     metrics_port: int = 9727  # Prometheus endpoint; 0 disables it
     metrics_addr: str = "127.0.0.1"  # loopback: expose it wider on purpose only
     stop_timeout_ms: int = 10_000  # SIGTERM waits this long for in-flight transfers
+    socket_group: str = ""  # group owning the socket (with socket_mode 0660: who connects)
+    allowed_uids: list[int] = []  # besides the daemon's own uid and root
+    allowed_groups: list[str] = []  # group names or gids whose members may connect
+    admin_uids: list[int] = []  # may evict/flush/read config (own uid and root always)
+    max_leased_blocks: int = 1 << 20  # per client: blocks held by its leases at once
+    max_pending_blocks: int = 1 << 20  # per client: blocks allocated and not yet stored
+    client_timeout_ms: int = 10_000  # a client silent this long (no ping) is dropped
+    max_message_bytes: int = 16 * 1024**2
 
     def __post_init__(self) -> None:
         if self.pool_size < self.extent_size:
@@ -77,6 +85,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 FIELDS = frozenset(Config.__struct_fields__)
+LIST_KEYS = frozenset({"allowed_uids", "allowed_groups", "admin_uids"})
 SIZE_KEYS = frozenset({"pool_size", "extent_size", "min_slot_bytes"})
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -103,6 +112,8 @@ def _normalize(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
                 value = parse_size(value)
             except ValueError as e:
                 raise ConfigError(f"{source}: {key}: {e}") from None
+        elif k in LIST_KEYS and isinstance(value, str):  # KVD_ALLOWED_UIDS=1000,1001
+            value = [v.strip() for v in value.split(",") if v.strip()]
         out[k] = value
     return out
 

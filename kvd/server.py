@@ -18,10 +18,12 @@ import stat
 import msgspec
 import zmq
 
+from kvd.access import Peer
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
 from kvd.engines.cuda import ClientCopyEngine, CudaEngine
 from kvd.engines.host import HostEngine
+from kvd.lifecycle import Lifecycle, ReloadFn
 from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
 from kvd.pool import Pool
@@ -32,23 +34,20 @@ log = logging.getLogger("kvd.server")
 TICK_S = 0.25
 
 
-def peer_pid(frame: zmq.Frame) -> int:
-    """The sender's pid from ZeroMQ's Peer-Address (``localhost:uid:gid:pid`` on ipc)."""
-    try:
-        return int(frame.get("Peer-Address").rsplit(":", 1)[1])
-    except (zmq.ZMQError, ValueError, IndexError, AttributeError):
-        return 0
-
-
 class Server:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, origins: dict[str, str] | None = None,
+                 reload_config: ReloadFn | None = None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
-        self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
-                         lock=config.mlock)
+        # systemd, metrics, SIGHUP and the graceful stop live in kvd.lifecycle.
+        self.lifecycle = Lifecycle(self, origins, reload_config)
+        with self.lifecycle.preparing_pool(config.pool_path, config.pool_size):
+            self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
+                             lock=config.mlock, keep=config.persist)
         self.engines: dict[str, TransferEngine] = {
-            "host": HostEngine(self._engine_done, threads=config.copy_threads),
+            "host": HostEngine(self._engine_done, threads=config.copy_threads,
+                               pool=self.pool.array),
             "client_copy": ClientCopyEngine(self._engine_done),
         }
         self.pinner: PoolPinner | None = None
@@ -62,7 +61,7 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self._bind()
@@ -80,6 +79,15 @@ class Server:
         except zmq.ZMQError as e:
             raise ConfigError(f"cannot bind {path}: {e}") from None
         os.chmod(path, self.config.socket_mode)
+        if self.config.socket_group:
+            import grp
+
+            try:
+                gid = grp.getgrnam(self.config.socket_group).gr_gid
+            except KeyError:
+                raise ConfigError(f"socket_group: no group {self.config.socket_group!r}") from None
+            os.chown(path, -1, gid)
+            os.chown(directory, -1, gid)
 
     def _start_cuda(self) -> None:
         from kvd_proto.cudart import CudaUnavailable, load
@@ -95,7 +103,7 @@ class Server:
 
     def _extra_status(self) -> dict:
         return {"pinning": self.pinner.status() if self.pinner else {"state": "unavailable"},
-                "data_paths": sorted(self.engines)}
+                "data_paths": sorted(self.engines), **self.lifecycle.status()}
 
     def _engine_waited(self, job: CopyJob) -> None:
         identity = job.context["client"].identity
@@ -130,7 +138,7 @@ class Server:
                                           f"malformed message: {e}")
                 else:
                     try:
-                        reply = service.handle(identity, peer_pid(frames[1]), msg)
+                        reply = service.handle(identity, Peer.of(frames[1]), msg)
                     except Exception as e:  # noqa: BLE001 - no input may crash the daemon
                         log.exception("internal error on %s", type(msg).__name__)
                         reply = service.error(getattr(msg, "req", 0), m.Code.INTERNAL,
@@ -149,6 +157,7 @@ class Server:
     def _copy_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
         try:
             self.service.copy_done(job, error, seconds)
+            self.lifecycle.transfer_done(job.direction, error is None, seconds)
         except Exception as e:  # noqa: BLE001 - the client must still get its Done
             log.exception("completing transfer %d failed", job.event)
             identity = job.context["client"].identity
@@ -183,17 +192,20 @@ class Server:
     async def run(self) -> None:
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self.loop.add_signal_handler(sig, self.stopping.set)
+            self.loop.add_signal_handler(sig, self.lifecycle.request_stop)
         self.loop.call_later(TICK_S, self._tick)
         self._drain()
         log.info("kvd serving on %s: pool %d MiB at %s, policy %s, pid %d",
                  self.config.socket, self.config.pool_size >> 20, self.config.pool_path,
                  self.service.policy_name, os.getpid())
+        self.lifecycle.started()  # READY=1 once the socket accepts clients
         await self.stopping.wait()
-        log.info("kvd stopping")
+        await self.lifecycle.drain()
+        log.info("kvd stopped")
         self.close()
 
     def close(self) -> None:
+        self.lifecycle.close()
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
         for engine in self.engines.values():
             engine.close()
@@ -208,9 +220,13 @@ class Server:
             os.unlink(self.config.socket)
         except FileNotFoundError:
             pass
-        self.pool.close(unlink=True)
+        if self.service.persist is not None:
+            self.service.persist.drain(self.service.index)
+            self.service.persist.close()
+        self.pool.close()  # kept when persistence is on
 
 
-async def serve(config: Config) -> None:
-    server = Server(config)
+async def serve(config: Config, origins: dict[str, str] | None = None,
+                reload_config: ReloadFn | None = None) -> None:
+    server = Server(config, origins, reload_config)
     await server.run()

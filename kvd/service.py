@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from kvd.access import Access, Peer
 from kvd.config import Config
 from kvd.core.allocator import Allocator, AllocatorError
 from kvd.core.index import PENDING, READY, Index
@@ -24,6 +25,8 @@ from kvd.core.policies import DEFAULT_POLICY, make_policy
 from kvd.core.tenants import Tenant, TenantError, Tenants, fingerprint_digest
 from kvd.engines.base import CopyJob, TransferEngine
 from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
+from kvd.journal import Header
+from kvd.persist import Persistence
 from kvd.pool import Pool
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32, unpack_u32
@@ -49,6 +52,9 @@ class Client:
     inflight: int = 0
     gone: bool = False
     requests: int = 0
+    uid: int = -1
+    admin: bool = False
+    last_seen: float = 0.0
 
 
 @dataclass
@@ -59,6 +65,10 @@ class Counters:
     loaded_bytes: int = 0
     stored_bytes: int = 0
     failed_transfers: int = 0
+    corrupt_blocks: int = 0
+    lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
+    hit_tokens: int = 0
+    by_code: dict[str, int] = field(default_factory=dict)  # errors by Code name
 
 
 class Service:
@@ -74,24 +84,43 @@ class Service:
         alloc = Allocator(config.pool_size, config.extent_size, config.min_slot_bytes)
         policy = make_policy(config.policy or DEFAULT_POLICY, alloc.max_slots)
         self.policy_name = policy.name
-        self.index = Index(alloc, policy)
+        self.index = Index(alloc, policy, record=config.persist)
         self.tenants = Tenants()
+        self.persist: Persistence | None = None
+        if config.persist:
+            self.persist = Persistence(config.journal, Header(
+                config.pool_size, config.extent_size, config.min_slot_bytes))
+            self.persist.recover(self.index, self.tenants, pool.array, pool.reused)
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
         self._next_client = 1
         self.on_client = None  # set by the server: watch a new client's pid
         self.extra_status: Callable[[], dict] = dict  # the shell adds what it owns
+        self.origins: dict[str, str] = {}  # config key -> where its value came from
+        self.stopping = False  # set on SIGTERM: new work is refused with BUSY
+        self.inflight = 0  # transfers submitted to an engine and not completed yet
+        self._block_tokens: dict[int, int] = {}  # tenant id -> tokens per block
 
     # ------------------------------------------------------------ dispatch
-    def handle(self, identity: bytes, pid: int, msg: m.Request) -> m.Reply | None:
+    def handle(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
+        reply = self._dispatch(identity, peer, msg)
+        if self.persist is not None:
+            self.persist.drain(self.index)  # journaled before the reply leaves
+        return reply
+
+    def _dispatch(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
         self.counters.requests += 1
         try:
             if isinstance(msg, m.Hello):
-                return self._hello(identity, pid, msg)
+                return self._hello(identity, peer, msg)
             client = self.clients.get(identity)
             if client is None:
                 raise NotRegistered("send Hello first (the daemon may have restarted)")
             client.requests += 1
+            client.last_seen = self.clock()
+            if self.stopping and isinstance(msg, (m.Register, m.Lookup, m.Allocate,
+                                                  m.Transfer)):
+                raise KvdError("kvd is stopping; retry once it is back", m.Code.BUSY)
             if isinstance(msg, m.Transfer):
                 return self._transfer(client, msg)
             if isinstance(msg, m.Ping):
@@ -100,6 +129,11 @@ class Service:
                 return m.StatsOk(msg.req, msgspec.json.encode(self.status()))
             if isinstance(msg, m.Register):
                 return self._register(client, msg)
+            if isinstance(msg, (m.Evict, m.Flush, m.GetConfig)):
+                if not client.admin:
+                    raise KvdError(f"uid {client.uid} may not {type(msg).__name__.lower()}: "
+                                   "not in admin_uids", m.Code.FORBIDDEN)
+                return self._admin(msg)
             tenant = client.tenant
             if tenant is None:
                 raise NotRegistered("send Register first")
@@ -112,24 +146,57 @@ class Service:
             if isinstance(msg, m.Abort):
                 slots = self._own_slots(tenant, msg.slots, PENDING)
                 return m.Ok(msg.req, self.index.abort(slots))
-            if isinstance(msg, m.Evict):
-                target = None if msg.tenant == -1 else self.tenants.get(msg.tenant)
-                if msg.tenant != -1 and target is None:
-                    raise RequestError(f"no tenant {msg.tenant}")
-                return m.Ok(msg.req, self.index.evict_tenant(target))
             raise RequestError(f"unexpected message {type(msg).__name__}")
         except KvdError as e:
-            self.counters.errors += 1
+            self._count_error(e.code)
             if isinstance(msg, m.Transfer):  # a Transfer is answered by one Done, always
                 return m.Done(msg.req, msg.event, e.code, str(e))
             return m.Error(msg.req, e.code, str(e))
 
     def error(self, req: int, code: m.Code, message: str) -> m.Error:
-        self.counters.errors += 1
+        self._count_error(code)
         return m.Error(req, code, message)
 
+    def _count_error(self, code: m.Code) -> None:
+        self.counters.errors += 1
+        name = m.Code(code).name
+        self.counters.by_code[name] = self.counters.by_code.get(name, 0) + 1
+
+    def _admin(self, msg: m.Evict | m.Flush | m.GetConfig) -> m.Reply:
+        """Operator requests (kvdctl); they need a Hello, not a tenant."""
+        if isinstance(msg, m.GetConfig):
+            values = msgspec.json.encode(self.config)
+            return m.ConfigOk(msg.req, values, dict(self.origins))
+        tenant = -1 if isinstance(msg, m.Flush) else msg.tenant
+        target = None if tenant == -1 else self.tenants.get(tenant)
+        if tenant != -1 and target is None:
+            raise RequestError(f"no tenant {tenant}")
+        n = self.index.evict_tenant(target)
+        log.info("admin %s: evicted %d blocks", type(msg).__name__.lower(), n)
+        return m.Ok(msg.req, n)
+
+    def reconfigure(self, config: Config) -> None:
+        """SIGHUP: the new config's live keys apply from the next request on (the
+        lifecycle decides which keys are live; parts that cache a value refresh here)."""
+        self.config = config
+
+    def shutdown(self) -> None:
+        """Last call on the loop before the daemon exits, after in-flight transfers
+        finished: persistence flushes its journal here."""
+
     # ------------------------------------------------------------ handshake
-    def _hello(self, identity: bytes, pid: int, msg: m.Hello) -> m.Reply:
+    @property
+    def access(self) -> Access:
+        """Built from the current config (a SIGHUP reload replaces the config)."""
+        if getattr(self, "_access_for", None) is not self.config:
+            self._access, self._access_for = Access(self.config), self.config
+        return self._access
+
+    def _hello(self, identity: bytes, peer: Peer, msg: m.Hello) -> m.Reply:
+        if not self.access.allowed(peer):
+            log.warning("refused a connection from uid %d (pid %d)", peer.uid, peer.pid)
+            raise KvdError(f"uid {peer.uid} may not use this kvd: not in allowed_uids or "
+                           "allowed_groups", m.Code.FORBIDDEN)
         if msg.version != m.PROTOCOL_VERSION:
             raise KvdError(
                 f"protocol version mismatch: client speaks {msg.version}, "
@@ -139,7 +206,9 @@ class Service:
         old = self.clients.get(identity)
         if old is not None:
             self.client_gone(identity)
-        client = Client(self._next_client, identity, pid or msg.pid, msg.name, msg.pid)
+        client = Client(self._next_client, identity, peer.pid or msg.pid, msg.name, msg.pid,
+                        uid=peer.uid, admin=self.access.admin(peer),
+                        last_seen=self.clock())
         self._next_client += 1
         self.clients[identity] = client
         if self.on_client is not None:
@@ -153,6 +222,7 @@ class Service:
         if not 0 <= fp.pp_rank < 1024 or not -1 <= msg.rank < fp.tp_size:
             raise RequestError(f"rank {msg.rank} not in -1..{fp.tp_size - 1}")
         digest = fingerprint_digest(msgspec.structs.asdict(fp))
+        known = len(self.tenants)
         try:
             tenant = self.tenants.get_or_create(
                 digest, model=fp.model, tp_size=fp.tp_size,
@@ -160,9 +230,12 @@ class Service:
             self.index.allocator.check_slot_bytes(tenant.slot_bytes)
         except (TenantError, AllocatorError) as e:
             raise RequestError(str(e)) from None
+        if len(self.tenants) > known and self.persist is not None:
+            self.persist.tenant_added(tenant)
         if msg.rank >= 0:
             self._attach_memory(client, tenant, msg)
         client.tenant, client.rank = tenant, msg.rank
+        self._block_tokens[tenant.id] = fp.block_tokens
         tenant.clients.add(client.id)
         log.info("client %d (pid %d, %s) joined tenant %d (%s) as rank %d%s", client.id,
                  client.pid, client.name or "-", tenant.id, tenant.model, msg.rank,
@@ -218,16 +291,27 @@ class Service:
 
     def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
         self._check_keys(msg.keys)
+        if self.index.leased_by.get(client.id, 0) + len(msg.keys) > self.config.max_leased_blocks:
+            raise KvdError(f"lease quota of {self.config.max_leased_blocks} blocks reached; "
+                           "release leases first", m.Code.BUSY)
         lease_s = min(max(msg.lease_ms, 0), self.config.max_lease_ms) / 1000
         hits, slots, lease, pending = self.index.lookup(
             tenant, msg.keys, owner=client.id, depth=msg.depth, now=self.clock(),
             lease_s=lease_s if lease_s > 0 else None)
+        tokens = self._block_tokens.get(tenant.id, 0)
+        self.counters.lookup_tokens += len(msg.keys) * tokens
+        self.counters.hit_tokens += hits * tokens
         return m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)
 
     def _allocate(self, client: Client, tenant: Tenant, msg: m.Allocate) -> m.Reply:
         self._check_keys(msg.keys)
         pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
-        res = self.index.allocate(tenant, msg.keys, owner=client.id, depth=msg.depth,
+        room = self.config.max_pending_blocks - self.index.pending_by.get(client.id, 0)
+        if room <= 0:
+            raise KvdError(f"pending-store quota of {self.config.max_pending_blocks} blocks "
+                           "reached; finish or abort stores first", m.Code.BUSY)
+        # Only the first `room` keys may get slots (keys already stored take none).
+        res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
                                   now=self.clock(), pending_s=pending_s)
         return m.Allocated(msg.req, pack_u32(res.slots), res.evicted, res.allocated)
 
@@ -284,8 +368,18 @@ class Service:
                       pool.ravel(), remote.ravel(), lengths.ravel().copy(), slots,
                       msg.cuda_event)
         job.context["client"] = client
+        if self.config.checksums:
+            share = (slot_off + rank_off).astype(np.int64)
+            if msg.direction == m.Direction.STORE:
+                job.context["sum"] = (share, tenant.rank_bytes)
+            elif self.config.verify_on_load:
+                sums = self.index.checksums
+                r = max(client.rank, 0)
+                expect = [sums.get(s, [0] * (r + 1))[r] for s in slots.tolist()]
+                job.context["verify"] = (share, tenant.rank_bytes, expect)
         self.index.pin(slots)
         client.inflight += 1
+        self.inflight += 1
         client.engine.submit(job)
         return None
 
@@ -295,7 +389,7 @@ class Service:
         self.index.unpin(job.slots)
         nblocks = len(job.slots)
         if error is None and job.direction == m.Direction.STORE:
-            self.index.store_done(job.slots, client.rank)
+            self.index.store_done(job.slots, client.rank, job.context.get("checksums"))
             self.counters.stored_bytes += job.nbytes
         elif error is None:
             self.counters.loaded_blocks += nblocks
@@ -304,13 +398,21 @@ class Service:
             self.counters.failed_transfers += 1
             if job.direction == m.Direction.STORE:
                 self.index.abort(job.slots)  # never READY: every rank must succeed
+            corrupt = job.context.get("corrupt")
+            if corrupt:
+                self.counters.corrupt_blocks += len(corrupt)
+                self.index.discard([int(job.slots[i]) for i in corrupt])
             log.warning("transfer %d of client %d failed: %s", job.event, job.client, error)
+        if self.persist is not None:
+            self.persist.drain(self.index)  # a commit is journaled before its Done
         client.inflight -= 1
+        self.inflight -= 1
         if error is None:
             done = m.Done(job.req, job.event, m.Code.OK, "", job.nbytes, seconds)
         else:
             code = error.code if isinstance(error, KvdError) else m.Code.TRANSFER_FAILED
             done = m.Done(job.req, job.event, code, str(error), 0, seconds)
+            self._count_error(code)
         if not client.gone:
             self.send(client.identity, done)
         elif client.inflight == 0 and client.engine is not None:
@@ -322,7 +424,17 @@ class Service:
         self.index.flush()
 
     def tick(self) -> None:
-        self.index.expire(self.clock())
+        now = self.clock()
+        self.index.expire(now)
+        limit = self.config.client_timeout_ms / 1000
+        for identity in [i for i, c in self.clients.items() if now - c.last_seen > limit]:
+            log.warning("client %d (pid %d) silent for %.1fs: dropped",
+                        self.clients[identity].id, self.clients[identity].pid, limit)
+            self.client_gone(identity)
+        if self.persist is not None:
+            self.persist.drain(self.index)
+            self.persist.finish_compaction()
+            self.persist.maybe_compact(self.index, self.tenants)
 
     def client_gone(self, identity: bytes) -> None:
         client = self.clients.pop(identity, None)
@@ -370,6 +482,7 @@ class Service:
                  "bytes": t.blocks * t.slot_bytes, "clients": len(t.clients)}
                 for t in self.tenants
             ],
+            "transfers": {"inflight": self.inflight},
             **self.extra_status(),
             "counters": {
                 "requests": self.counters.requests, "errors": self.counters.errors,
@@ -380,7 +493,11 @@ class Service:
                 "loaded_bytes": self.counters.loaded_bytes,
                 "evicted_blocks": c.evicted_blocks, "failed_stores": c.failed_stores,
                 "failed_transfers": self.counters.failed_transfers,
+                "corrupt_blocks": self.counters.corrupt_blocks,
                 "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
                 "no_space": c.no_space,
+                "lookup_tokens": self.counters.lookup_tokens,
+                "hit_tokens": self.counters.hit_tokens,
+                "errors_by_code": dict(self.counters.by_code),
             },
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvd.cli.simulate import _names
+from kvd.cli.simulate import parse_policies
 from kvd.sim import load_trace, replay
 
 TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     caps = [int(c) for c in args.capacity.split(",")]
     trace = load_trace(args.trace)
     rows = []
-    for p in _names(args.policy):
+    for p in parse_policies(args.policy):
         for c in caps:
             best = min(replay(trace, c, p).seconds for _ in range(args.repeat))
             rows.append({"policy": p, "capacity": c, "block_refs": trace.block_refs,

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from kvd.cli.simulate import _names, plot, table
+from kvd.cli.simulate import parse_policies, plot, table
 from kvd.core.policies.base import DEFAULT_POLICY
 from kvd.sim import BELADY, load_trace, replay
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="PNG")
     args = ap.parse_args(argv)
     caps = [int(c) for c in args.capacity.split(",")]
-    pols = _names(args.policy)
+    pols = parse_policies(args.policy)
     trace = load_trace(args.trace)
     results = []
     for p in pols:
@@ -38,17 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([r.as_dict() for r in results], indent=1))
     else:
         print(table(results))
-        frac = {(r.policy, r.capacity): r.hit_fraction for r in results}
+        hits = {(r.policy, r.capacity): r.hit_blocks for r in results}
         online = [p for p in pols if p not in (BELADY, DEFAULT_POLICY)]
         if DEFAULT_POLICY in pols and online:
-            print(f"\n{DEFAULT_POLICY} minus best other online policy; share of the ARC..Belady gap closed:")
+            d = DEFAULT_POLICY
+            print(f"\n{d} (default) against the best other online policy, in hit blocks;"
+                  " share of the ARC..Belady gap closed:")
             for c in caps:
-                best = max(frac[p, c] for p in online)
-                gap = ""
-                if "arc" in pols and BELADY in pols and frac[BELADY, c] > frac["arc", c]:
-                    closed = (frac[DEFAULT_POLICY, c] - frac["arc", c]) / (frac[BELADY, c] - frac["arc", c])
-                    gap = f"  gap closed {closed:6.1%}"
-                print(f"  {c:>6}: {frac[DEFAULT_POLICY, c] - best:+.4f}{gap}")
+                best = max(online, key=lambda p: hits[p, c])
+                line = f"  {c:>6}: {hits[d, c] - hits[best, c]:+6d} vs {best:<7}"
+                if "arc" in pols and BELADY in pols and hits[BELADY, c] > hits["arc", c]:
+                    closed = (hits[d, c] - hits["arc", c]) / (hits[BELADY, c] - hits["arc", c])
+                    line += f"  gap closed {closed:6.1%}"
+                print(line)
     if args.plot:
         plot(results, args.plot, title="mooncake synthetic trace")
     return 0

@@ -27,7 +27,9 @@ class Daemon:
     def start(self, timeout: float = 20.0) -> Daemon:
         cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", self.socket,
                "--pool-path", self.pool_path, *self.args]
-        env = {**os.environ, **self.env}
+        # The suite's own KVD_E2E_* switches are not daemon configuration.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_E2E")}
+        env.update(self.env)
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"),
                                      stderr=subprocess.STDOUT, env=env)
         wait_ready(self.socket, self.proc, timeout, self.log)

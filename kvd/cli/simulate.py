@@ -6,17 +6,18 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from kvd.core.policies.base import policy_names
+from kvd.core.policies.base import DEFAULT_POLICY, policy_names
 from kvd.sim import BELADY, SimResult, load_trace, replay
 
 
-def _ints(values: Sequence[str]) -> list[int]:
+def parse_capacities(values: Sequence[str]) -> list[int]:
     return [int(v) for item in values for v in item.split(",") if v.strip()]
 
 
-def _names(values: Sequence[str] | None) -> list[str]:
+def parse_policies(values: Sequence[str] | None, sweep: bool = True) -> list[str]:
+    """The policies asked for; by default all and Belady (a sweep) or the default."""
     if not values:
-        return [*policy_names(), BELADY]
+        return [*policy_names(), BELADY] if sweep else [DEFAULT_POLICY]
     return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
@@ -35,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument(
         "--policy", action="append", metavar="NAME",
-        help=f"policy name(s), comma-separated or repeated (default: all + {BELADY})",
+        help=f"policy name(s), comma-separated or repeated (default: {DEFAULT_POLICY}; "
+        f"with several capacities, all + {BELADY})",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="write hit fraction vs capacity (sweep)")
@@ -78,8 +80,8 @@ def plot(results: Sequence[SimResult], path: str, title: str = "") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    caps = _ints(args.capacity)
-    pols = _names(args.policy)
+    caps = parse_capacities(args.capacity)
+    pols = parse_policies(args.policy, sweep=len(caps) > 1)
     known = {*policy_names(), BELADY}
     unknown = [p for p in pols if p not in known]
     if unknown or not caps or min(caps) < 1:

@@ -90,6 +90,8 @@ class Index:
         self._spaces: dict[int, dict[bytes, int]] = {}  # tenant id -> key -> slot
         self._touches: list[tuple[list[int], int]] = []  # hits not yet told to the policy
         self.checksums: dict[int, list[int]] = {}  # READY slot -> per-rank xxh3
+        self.leased_by: dict[int, int] = {}  # owner -> blocks under its leases (quotas)
+        self.pending_by: dict[int, int] = {}  # owner -> its PENDING blocks (quotas)
         self.events: list[tuple] = []  # ("commit", tenant, key, slot, depth, sums) | ("drop", slot)
 
     # ------------------------------------------------------------ queries
@@ -147,6 +149,7 @@ class Index:
                 self.pin(hit_slots)
                 lease = self._next_lease
                 self._next_lease += 1
+                self.leased_by[owner] = self.leased_by.get(owner, 0) + hits
                 self._leases[lease] = Lease(lease, owner, hit_slots, now + lease_s)
         return hits, hit_slots, lease, pending
 
@@ -171,6 +174,7 @@ class Index:
             return False
         del self._leases[lease_id]
         self.unpin(lease.slots)
+        self._count(self.leased_by, lease.owner, -len(lease.slots))
         return True
 
     def lease_owner(self, lease_id: int) -> int | None:
@@ -236,6 +240,8 @@ class Index:
             pending[slot] = _Pending(owner, deadline, depth + i, tenant, length)
             slots[i] = slot
             got.append(slot)
+        if got:
+            self._count(self.pending_by, owner, len(got))
         if got:  # one numpy call per array, not one per slot
             arr = np.array(got, dtype=np.int64)
             self.state[arr] = PENDING
@@ -269,6 +275,7 @@ class Index:
                 p.checksums[rank] = sums[i]
             if mask == p.tenant.full_mask:
                 del pending[slot]
+                self._count(self.pending_by, p.owner, -1)
                 now_ready.append(slot)
                 p.tenant.blocks += 1
                 key = self._slot_key[slot]
@@ -290,7 +297,7 @@ class Index:
         n = 0
         for slot in slots.tolist():
             if slot < len(self.state) and self.state[slot] == PENDING and slot in self._pending:
-                del self._pending[slot]
+                self._count(self.pending_by, self._pending.pop(slot).owner, -1)
                 self._drop_entry(slot)
                 n += 1
         self.counters.failed_stores += n
@@ -464,6 +471,14 @@ class Index:
             self._doomed.add(slot)  # an in-flight copy still uses it
         else:
             self._free(slot)
+
+    @staticmethod
+    def _count(counts: dict[int, int], owner: int, delta: int) -> None:
+        n = counts.get(owner, 0) + delta
+        if n:
+            counts[owner] = n
+        else:
+            counts.pop(owner, None)
 
     def _free(self, slot: int) -> None:
         self.rank_mask[slot] = 0

@@ -63,8 +63,11 @@ class ChainPolicy(EvictionPolicy):
         self._run_base = self._run_prio = 0.0
 
     # ------------------------------------------------------------ learning
-    def _enter(self, key: Key, kind: int, n: int = 1) -> None:
+    def _enter(self, key: Key, kind: int) -> None:
         self._kind[key] = kind
+        self._count(kind, 1)
+
+    def _count(self, kind: int, n: int) -> None:
         entered = self._entered
         entered[kind] += n
         if entered[kind] > WINDOW:  # forget slowly, so the odds follow the workload
@@ -113,7 +116,7 @@ class ChainPolicy(EvictionPolicy):
         for key in keys:
             again[kind[key]] += 1.0
         kind.update(dict.fromkeys(keys, HIT))
-        self._enter(keys[0], HIT, n)
+        self._count(HIT, n)
         self._hit_end = depth + n
         # One priority for the run; ties go deepest first, so the head goes last.
         self._heap.push_run(keys, self._floor + self._age + self.reused, -depth)

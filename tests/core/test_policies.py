@@ -1,0 +1,181 @@
+"""Eviction policies: the registry, the ABC contract, and each policy's invariants."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.allocator import Allocator
+from kvd.core.index import NO_SLOT, PENDING, READY, Index
+from kvd.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, policy_names
+from kvd.core.policies.arc import ARCPolicy
+from kvd.core.policies.base import _REGISTRY
+from kvd.core.policies.s3fifo import MAX_FREQ, S3FIFOPolicy
+from kvd.core.tenants import Tenants
+
+NAMES = policy_names()
+SLOT = 4096
+
+
+def test_every_registered_name_imports_and_satisfies_the_abc() -> None:
+    assert {"lru", "arc", "s3fifo", "chain"} <= set(NAMES)
+    assert DEFAULT_POLICY in NAMES
+    for name in NAMES:
+        module, _, cls = _REGISTRY[name].partition(":")
+        klass = getattr(importlib.import_module(module), cls)
+        assert issubclass(klass, EvictionPolicy) and klass.name == name
+        policy = make_policy(name, 8)
+        assert len(policy) == 0 and list(policy.victims()) == []
+
+
+def test_unknown_name_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="known: .*lru"):
+        make_policy("nope", 8)
+
+
+# ---------------------------------------------------------------- the bare contract
+# An op: ("insert", chain, length) stores a new chain; ("touch", i) hits the leading
+# run of live chain i; ("evict", n) evicts n victims; ("remove", i) drops one block.
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(1, 6)),
+        st.tuples(st.just("touch"), st.integers(0, 50)),
+        st.tuples(st.just("evict"), st.integers(1, 5)),
+        st.tuples(st.just("remove"), st.integers(0, 50)),
+    ),
+    max_size=60,
+)
+
+
+def _check_shape(policy: EvictionPolicy, live: set[bytes]) -> None:
+    order = list(policy.victims())
+    assert len(order) == len(set(order)) == len(policy) == len(live)
+    assert set(order) == live
+    assert list(policy.victims()) == order  # victims() changes nothing
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, capacity=st.integers(1, 12))
+def test_victims_are_exactly_the_inserted_keys(name: str, ops: list, capacity: int) -> None:
+    policy = make_policy(name, capacity)
+    live: set[bytes] = set()
+    chains: list[list[bytes]] = []
+    fresh = iter(range(10**6))
+    for op, arg in ops:
+        if op == "insert":
+            chain = [next(fresh).to_bytes(8, "little") for _ in range(arg)]
+            for depth, key in enumerate(chain):
+                policy.insert(key, depth, length=len(chain))
+            live.update(chain)
+            chains.append(chain)
+        elif op == "touch" and chains:
+            chain = chains[arg % len(chains)]
+            run = []
+            for key in chain:
+                if key not in live:
+                    break
+                run.append(key)
+            if run:
+                policy.touch(run, 0)
+        elif op == "evict":
+            for key in list(policy.victims())[:arg]:
+                policy.evicted(key)
+                live.discard(key)
+        elif op == "remove" and live:
+            key = sorted(live)[arg % len(live)]
+            policy.remove(key)
+            live.discard(key)
+        _check_shape(policy, live)
+        _check_invariants(policy)
+
+
+def _check_invariants(policy: EvictionPolicy) -> None:
+    if isinstance(policy, ARCPolicy):
+        t1, t2, b1, b2 = map(set, (policy.t1, policy.t2, policy.b1, policy.b2))
+        assert not (t1 & t2) and not (b1 & b2)
+        assert not ((t1 | t2) & (b1 | b2)), "a resident key is also a ghost"
+        assert len(b1) <= policy.capacity and len(b2) <= policy.capacity
+        assert 0.0 <= policy.target_t1 <= policy.capacity
+    if isinstance(policy, S3FIFOPolicy):
+        small, main, ghost = set(policy.small), set(policy.main), set(policy.ghost)
+        assert not (small & main) and small | main == set(policy.freq)
+        assert not (ghost & (small | main))
+        assert len(ghost) <= policy.ghost_cap
+        assert all(0 <= f <= MAX_FREQ for f in policy.freq.values())
+
+
+# ---------------------------------------------------------------- through the Index
+def _index(name: str, capacity: int) -> tuple[Index, object]:
+    tenant = Tenants().get_or_create("t", model="m", tp_size=1, rank_page_bytes=(SLOT,))
+    index = Index(Allocator(capacity * SLOT, SLOT, SLOT), make_policy(name, capacity))
+    return index, tenant
+
+
+IDX_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "stage", "finish", "lease", "release"]),
+        st.integers(0, 7),  # which chain
+        st.integers(1, 5),  # how many blocks
+    ),
+    max_size=50,
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=40, deadline=None)
+@given(ops=IDX_OPS, capacity=st.integers(2, 10))
+def test_capacity_pins_and_pending_are_respected(name: str, ops: list, capacity: int) -> None:
+    """Stores never exceed capacity; leased and PENDING blocks are never evicted."""
+    index, tenant = _index(name, capacity)
+    chains = [[(c * 100 + d).to_bytes(8, "little") for d in range(5)] for c in range(8)]
+    staged: list[np.ndarray] = []  # PENDING stores not finished yet
+    leases: list[tuple[int, list[bytes]]] = []
+    for op, c, n in ops:
+        keys = chains[c][:n]
+        if op in ("store", "stage"):
+            hits = index.lookup(tenant, keys)[0]
+            res = index.allocate(tenant, keys[hits:], depth=hits)
+            slots = np.array([s for s in res.slots if s != NO_SLOT], dtype=np.int64)
+            if op == "store":
+                index.store_done(slots, 0)
+            else:
+                staged.append(slots)
+        elif op == "finish" and staged:
+            index.store_done(staged.pop(0), 0)
+        elif op == "lease":
+            hits, _, lease, _ = index.lookup(tenant, keys, lease_s=60.0)
+            if lease:
+                leases.append((lease, keys[:hits]))
+        elif op == "release" and leases:
+            index.release(leases.pop(0)[0])
+        assert index.ready_blocks + index.pending_blocks <= capacity
+        assert len(index.policy) == index.ready_blocks
+        for _, held in leases:
+            assert all(index.contains(tenant, k) == READY for k in held)
+        for slots in staged:
+            assert all(index.state[s] == PENDING for s in slots.tolist())
+
+
+def test_lru_keeps_the_head_of_a_hit_prefix_longest() -> None:
+    """vLLM's LRU order: a hit prefix is touched tail to head, so tails go first."""
+    policy = make_policy("lru", 8)
+    keys = [bytes([i]) for i in range(4)]
+    for d, k in enumerate(keys):
+        policy.insert(k, d)
+    policy.touch(keys[:3], 0)
+    assert list(policy.victims()) == [keys[3], keys[2], keys[1], keys[0]]
+
+
+def test_chain_evicts_a_chain_tail_before_its_head() -> None:
+    policy = make_policy("chain", 8)
+    keys = [bytes([i]) for i in range(4)]
+    for d, k in enumerate(keys):
+        policy.insert(k, d, length=4)
+    assert list(policy.victims()) == keys[::-1]
+    policy.touch(keys[:2], 0)  # hit blocks outlive never-hit ones
+    assert list(policy.victims())[:2] == [keys[3], keys[2]]

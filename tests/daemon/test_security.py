@@ -1,0 +1,156 @@
+"""Access control with a real second uid (a throwaway user made for the test)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from kvd_client import RemoteError
+from kvd_proto import messages as m
+from tests.daemon.test_integration import allocate, keys, lookup, scheduler
+from tests.daemon.workers import Spec, Worker
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("useradd"),
+    reason="needs root and useradd to create a throwaway user")
+
+
+@pytest.fixture
+def other_user():
+    name = f"kvdt{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/false",
+                    name], check=True, capture_output=True)
+    import pwd
+
+    pw = pwd.getpwnam(name)
+    yield pw.pw_uid, pw.pw_gid
+    subprocess.run(["userdel", name], check=False, capture_output=True)
+
+
+def _as_user(uid: int, gid: int, socket: str, requests: list, out) -> None:
+    """In a forked child: drop to ``uid`` and send raw requests; report the replies."""
+    import zmq
+
+    try:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"ipc://{socket}")
+        replies = []
+        for msg in requests:
+            s.send(m.encode(msg))
+            replies.append(m.decode_reply(s.recv()) if s.poll(5000) else None)
+        out.send(("ok", replies))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.send(("error", repr(e)))
+
+
+def ask_as(uid: int, gid: int, socket: str, requests: list):
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_as_user, args=(uid, gid, socket, requests, child))
+    p.start()
+    assert parent.poll(20), "child did not answer"
+    result = parent.recv()
+    p.join(10)
+    assert result[0] == "ok", result
+    return result[1]
+
+
+def reachable_daemon(daemon_factory, env: dict[str, str] | None = None):
+    """A daemon whose socket sits where another uid can traverse to it (pytest's
+    tmp dirs are private to root)."""
+    d = daemon_factory(start=False)
+    d.socket = f"/tmp/kvd-sec-{uuid.uuid4().hex[:8]}/kvd.sock"
+    d.env = env or {}
+    return d.start()
+
+
+def open_socket(daemon) -> None:
+    # Let the other uid reach the socket file, so the daemon's own check is what refuses.
+    os.chmod(os.path.dirname(daemon.socket), 0o777)
+    os.chmod(daemon.socket, 0o777)
+
+
+def hello(req: int = 1) -> m.Hello:
+    return m.Hello(req, m.PROTOCOL_VERSION, 0, "other-uid")
+
+
+def test_a_second_uid_is_refused(daemon_factory, other_user):
+    uid, gid = other_user
+    daemon = reachable_daemon(daemon_factory)
+    open_socket(daemon)
+    [reply] = ask_as(uid, gid, daemon.socket, [hello()])
+    assert isinstance(reply, m.Error) and reply.code == m.Code.FORBIDDEN
+    assert str(uid) in reply.message
+    assert daemon.status()["clients"] == [] or all(
+        c["name"] != "other-uid" for c in daemon.status()["clients"])
+
+
+def test_socket_permissions_keep_other_users_out(daemon_factory, other_user):
+    uid, gid = other_user
+    daemon = reachable_daemon(daemon_factory)
+    os.chmod(os.path.dirname(daemon.socket), 0o755)  # the directory is not the guard here
+    mode = os.stat(daemon.socket).st_mode & 0o777
+    assert mode & 0o007 == 0, oct(mode)  # no access for "other"
+    replies = ask_as(uid, gid, daemon.socket, [hello()])
+    assert replies == [None]  # cannot even connect
+
+
+def test_allowed_but_not_admin(daemon_factory, other_user):
+    uid, gid = other_user
+    d = reachable_daemon(daemon_factory, {"KVD_ALLOWED_UIDS": str(uid)})
+    open_socket(d)
+    ok, evict, flush = ask_as(uid, gid, d.socket, [hello(1), m.Evict(2, -1), m.Flush(3)])
+    assert isinstance(ok, m.HelloOk)
+    assert isinstance(evict, m.Error) and evict.code == m.Code.FORBIDDEN
+    assert isinstance(flush, m.Error) and flush.code == m.Code.FORBIDDEN
+
+
+def test_a_client_cannot_read_another_tenants_slot(daemon):
+    # Same uid, other tenant: slot ids of tenant one are refused for tenant two.
+    one = Spec(daemon.socket, model="one", pages=(4096,))
+    two = Spec(daemon.socket, model="two", pages=(4096,), seed=None)
+    s1 = scheduler(daemon, one)
+    w1, w2 = Worker(one), Worker(two)
+    try:
+        slots = allocate(s1, keys(2))
+        assert w1.store(1, range(2), slots)[1] == 0
+        lookup(s1, keys(2))
+        done = w2.load(2, range(2), slots)
+        assert done[1] == m.Code.BAD_IDS
+        reply = w2.call("raw", m.Abort, {"slots": b"".join(int(s).to_bytes(4, "little")
+                                                           for s in slots)})
+        assert reply[0] == "error" and "BAD_IDS" in str(reply[1])
+        assert lookup(s1, keys(2)).hits == 2
+    finally:
+        w1.close()
+        w2.close()
+        s1.close()
+
+
+def test_quota_on_pending_stores(daemon_factory):
+    d = daemon_factory(start=False)
+    d.env = {"KVD_MAX_PENDING_BLOCKS": "5", "KVD_MAX_LEASED_BLOCKS": "3"}
+    d.start()
+    spec = Spec(d.socket, pages=(4096,))
+    s = scheduler(d, spec)
+    try:
+        r = s.request(m.Allocate(s.next_req(), keys(8)))
+        assert r.allocated == 5
+        with pytest.raises(RemoteError) as e:
+            s.request(m.Allocate(s.next_req(), keys(2, "x")))
+        assert e.value.code == m.Code.BUSY
+        with pytest.raises(RemoteError) as e:
+            s.request(m.Lookup(s.next_req(), keys(4)))
+        assert e.value.code == m.Code.BUSY
+    finally:
+        s.close()
