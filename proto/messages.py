@@ -237,6 +237,25 @@ class Evict(_Msg, tag="evict"):
     tenant: int = -1
 
 
+class Flush(_Msg, tag="flush"):
+    """Admin: empty the cache, like memcached's flush_all: drop every READY unpinned block
+    of every tenant. Leased, in-flight and PENDING blocks stay. Answered with Ok(count)."""
+
+    req: int
+
+
+class GetConfig(_Msg, tag="get_config"):
+    """Admin: the daemon's effective configuration and where each value came from."""
+
+    req: int
+
+
+class ConfigOk(_Msg, tag="config_ok"):
+    req: int
+    values: bytes  # JSON object: key -> effective value
+    origins: dict[str, str]  # key -> "default" | "file <path>" | "env" | "flag"
+
+
 class Ping(_Msg, tag="ping"):
     """Liveness probe; answered with Ok. Cheap enough to send every second."""
 
@@ -256,9 +275,10 @@ class Error(_Msg, tag="error"):
 
 Request = (
     Hello | Register | Lookup | Release | Allocate | Transfer | Abort | Stats | Evict | Ping
+    | Flush | GetConfig
 )
 Reply = (HelloOk | Registered | LookupOk | Allocated | Done | StatsOk | Ok | Error
-         | EventWaited)
+         | EventWaited | ConfigOk)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

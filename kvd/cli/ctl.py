@@ -1,6 +1,7 @@
-"""``kvdctl``: the admin CLI. Human tables by default, ``--json`` for machines.
+"""``kvdctl``: the admin CLI. Human tables by default, ``--json`` everywhere.
 
-Exit codes: 0 ok, 1 unhealthy or refused, 2 usage error, 3 daemon unreachable.
+Exit codes are part of the interface (probes and scripts test them):
+0 ok, 1 unhealthy / refused / an error reply, 2 usage error, 3 daemon unreachable.
 """
 
 from __future__ import annotations
@@ -9,28 +10,61 @@ import argparse
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
-from kvd.config import default_socket
+from kvd.cli import render
+from kvd.cli.admin import (EXIT_DOWN, EXIT_FAIL, EXIT_OK, EXIT_USAGE, AdminClient,
+                           AdminError)
+from kvd.config import SIZE_KEYS, default_socket
+from kvd_proto import messages as m
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_DOWN = 0, 1, 2, 3
+SYSTEM_CONFIG = "/etc/kvd/kvd.toml"
+EPILOG = """\
+exit codes:
+  0  ok
+  1  unhealthy, access refused, or kvd answered with an error
+  2  usage error
+  3  kvd unreachable (not running, no socket, or no answer in --timeout)
+
+socket: --socket, else $KVD_SOCKET, else `socket` from --config / $KVD_CONFIG /
+/etc/kvd/kvd.toml, else the daemon's default."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvdctl", description="Administer the local kvd.")
-    p.add_argument("--socket", default=os.environ.get("KVD_SOCKET") or default_socket(),
-                   help="daemon socket (KVD_SOCKET; default %(default)s)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for kvd")
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("status", help="pool, blocks, clients, tenants and counters")
-    s.add_argument("--json", action="store_true")
-    h = sub.add_parser("health", help="exit 0 when kvd answers and is healthy, else 1")
-    h.add_argument("--json", action="store_true")
-    e = sub.add_parser("evict", help="drop READY unpinned blocks")
+    p = argparse.ArgumentParser(prog="kvdctl", description="Administer the local kvd.",
+                                epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--socket", help="daemon socket path")
+    p.add_argument("--config", metavar="FILE", help="read `socket` from this kvd.toml")
+    p.add_argument("--timeout", type=float, default=3.0,
+                   help="seconds to wait for kvd (default %(default)s)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def cmd(name: str, text: str, **kw: Any) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=text, description=text, **kw)
+        s.add_argument("--json", action="store_true", help="machine-readable output")
+        return s
+
+    cmd("status", "pool, blocks, traffic and errors at a glance")
+    cmd("tenants", "one row per tenant: model, TP size, block size, blocks and bytes held")
+    cmd("clients", "one row per connected client: pid, name, tenant, rank, transfers")
+    t = cmd("top", "live view refreshed every second until Ctrl-C (--json: one line each)")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    t.add_argument("--iterations", type=int, default=0, help=argparse.SUPPRESS)
+    e = cmd("evict", "drop READY unpinned blocks of one tenant (--tenant) or of all (--all); "
+                     "leased, pending and in-flight blocks stay")
     g = e.add_mutually_exclusive_group(required=True)
     g.add_argument("--tenant", type=int, metavar="ID")
     g.add_argument("--all", action="store_true")
-    e.add_argument("--json", action="store_true")
+    cmd("flush", "empty the cache like memcached's flush_all: drop every READY unpinned "
+                 "block of every tenant; blocks in use (leased, being stored or copied) stay")
+    cmd("config", "the daemon's effective configuration and where each value came from "
+                  "(default, file, env or flag)")
+    h = cmd("health", "one line; exit 0 when kvd is serving, 1 when unhealthy, 3 when down")
+    h.add_argument("--live", action="store_true",
+                   help="liveness only: answering is enough (starting/stopping count as ok)")
     try:
         from kvd.cli import simulate
     except ImportError:  # pragma: no cover - simulate ships with kvd
@@ -40,122 +74,172 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _connect(args: argparse.Namespace):
-    from kvd_client import Connection
+def resolve_socket(args: argparse.Namespace) -> str:
+    """--socket, $KVD_SOCKET, the config file's ``socket``, the daemon's default."""
+    if args.socket:
+        return args.socket
+    if os.environ.get("KVD_SOCKET"):
+        return os.environ["KVD_SOCKET"]
+    file = args.config or os.environ.get("KVD_CONFIG")
+    if not file and os.path.exists(SYSTEM_CONFIG):
+        file = SYSTEM_CONFIG
+    if file:
+        from kvd.config import load
 
-    conn = Connection(args.socket, name="kvdctl", timeout=args.timeout)
-    if not conn.wait_up(args.timeout):
-        conn.close()
-        return None
-    return conn
-
-
-def _request(args: argparse.Namespace, make) -> Any:
-    """Send one request; returns the reply, or an exit code when kvd is unreachable."""
-    from kvd_client import KvdClientError
-
-    conn = _connect(args)
-    if conn is None:
-        print(f"kvdctl: kvd is not answering on {args.socket}", file=sys.stderr)
-        return EXIT_DOWN
-    try:
-        return conn.request(make(conn.next_req()), args.timeout)
-    except KvdClientError as e:
-        print(f"kvdctl: {e}", file=sys.stderr)
-        return EXIT_FAIL
-    finally:
-        conn.close()
+        try:
+            return load(file, environ={})[0].socket
+        except Exception as e:  # noqa: BLE001 - fall back, but say why
+            if args.config:
+                raise
+            print(f"kvdctl: ignoring {file}: {e}", file=sys.stderr)
+    return default_socket()
 
 
-def fetch_status(args: argparse.Namespace) -> dict | int:
-    from kvd_proto import messages as m
-
-    reply = _request(args, m.Stats)
-    return reply if isinstance(reply, int) else json.loads(reply.status)
+def _client(args: argparse.Namespace) -> AdminClient:
+    return AdminClient(args.socket_path, args.timeout)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def fetch_status(client: AdminClient) -> dict[str, Any]:
+    reply = client.request(m.Stats)
+    assert isinstance(reply, m.StatsOk)
+    return json.loads(reply.status)
 
 
-def _table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [header] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-def print_status(st: dict) -> None:
-    pool, blocks, c = st["pool"], st["blocks"], st["counters"]
-    used = pool["used_bytes"] / max(1, pool["capacity_bytes"])
-    hit = c["hit_blocks"] / max(1, c["lookup_keys"])
-    print(f"kvd pid {st['pid']}  up {st['uptime_s']:.0f}s  policy {st['policy']}")
-    print(f"pool     {_size(pool['used_bytes'])} of {_size(pool['capacity_bytes'])} "
-          f"({used:.1%})  {pool['path']}")
-    print(f"blocks   ready {blocks['ready']}  pending {blocks['pending']}  "
-          f"pinned {blocks['pinned']}  leases {blocks['leases']}")
-    print(f"traffic  lookups {c['lookups']}  hit {c['hit_blocks']}/{c['lookup_keys']} "
-          f"blocks ({hit:.1%})  stored {c['stored_blocks']}  loaded {c['loaded_blocks']}  "
-          f"evicted {c['evicted_blocks']}  errors {c['errors']}")
-    if st["tenants"]:
-        print()
-        print(_table([[t["id"], t["model"], t["tp_size"], _size(t["slot_bytes"]), t["blocks"],
-                       _size(t["bytes"]), t["clients"]] for t in st["tenants"]],
-                     ["TENANT", "MODEL", "TP", "BLOCK", "BLOCKS", "BYTES", "CLIENTS"]))
-    if st["clients"]:
-        print()
-        print(_table([[cl["id"], cl["pid"], cl["name"], cl["tenant"], cl["rank"],
-                       cl["inflight"], cl["requests"]] for cl in st["clients"]],
-                     ["CLIENT", "PID", "NAME", "TENANT", "RANK", "INFLIGHT", "REQUESTS"]))
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    st = fetch_status(args)
-    if isinstance(st, int):
-        return st
-    if args.json:
-        print(json.dumps(st, indent=2))
-    else:
-        print_status(st)
+def _out(args: argparse.Namespace, doc: Any, text: str) -> int:
+    print(json.dumps(doc, indent=2) if args.json else text)
     return EXIT_OK
 
 
-def health_of(st: dict) -> tuple[bool, str]:
-    pool = st["pool"]
-    if pool["capacity_bytes"] <= 0:
-        return False, "pool has no capacity"
-    return True, (f"ok: pid {st['pid']}, {st['blocks']['ready']} blocks ready, "
-                  f"{len(st['clients'])} clients")
+# ---------------------------------------------------------------- commands
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        st = fetch_status(c)
+    return _out(args, st, render.status_text(st))
 
 
-def cmd_health(args: argparse.Namespace) -> int:
-    st = fetch_status(args)
-    if isinstance(st, int):
-        ok, why = False, f"kvd is not answering on {args.socket}"
-    else:
-        ok, why = health_of(st)
-    if args.json:
-        print(json.dumps({"healthy": ok, "reason": why}))
-    else:
-        print(why if ok else f"unhealthy: {why}")
-    return EXIT_OK if ok else EXIT_FAIL
+def cmd_tenants(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        st = fetch_status(c)
+    return _out(args, {"tenants": st["tenants"]}, render.tenants_table(st["tenants"]))
+
+
+def cmd_clients(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        st = fetch_status(c)
+    return _out(args, {"clients": st["clients"]}, render.clients_table(st["clients"]))
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    from kvd_proto import messages as m
+    with _client(args) as c:
+        reply = c.request(m.Evict, -1 if args.all else args.tenant)
+    assert isinstance(reply, m.Ok)
+    what = "all tenants" if args.all else f"tenant {args.tenant}"
+    return _out(args, {"evicted_blocks": reply.count},
+                f"evicted {reply.count} blocks of {what}")
 
-    tenant = -1 if args.all else args.tenant
-    reply = _request(args, lambda req: m.Evict(req, tenant))
-    if isinstance(reply, int):
-        return reply
-    if args.json:
-        print(json.dumps({"evicted_blocks": reply.count}))
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        reply = c.request(m.Flush)
+        st = fetch_status(c)
+    assert isinstance(reply, m.Ok)
+    kept = st["blocks"]["ready"] + st["blocks"]["pending"]
+    return _out(args, {"evicted_blocks": reply.count, "kept_blocks": kept},
+                f"flushed {reply.count} blocks; {kept} in use kept")
+
+
+def _show_value(key: str, value: Any) -> str:
+    if key in SIZE_KEYS and isinstance(value, int):
+        return f"{value} ({render.size(value)})"
+    if key == "socket_mode" and isinstance(value, int):
+        return oct(value)
+    return json.dumps(value) if not isinstance(value, str) else value or '""'
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        reply = c.request(m.GetConfig)
+    assert isinstance(reply, m.ConfigOk)
+    values = json.loads(reply.values)
+    doc = {k: {"value": v, "origin": reply.origins.get(k, "unknown")}
+           for k, v in sorted(values.items())}
+    text = render.table([[k, _show_value(k, d["value"]), d["origin"]] for k, d in doc.items()],
+                        ["KEY", "VALUE", "ORIGIN"])
+    return _out(args, doc, text)
+
+
+def health_of(st: dict[str, Any], live: bool = False) -> tuple[bool, str]:
+    """(healthy, one line of why)."""
+    phase = st.get("phase", "serving")
+    if st["pool"]["capacity_bytes"] <= 0:
+        return False, "pool has no capacity"
+    if not live and phase != "serving":
+        return False, f"kvd is {phase}"
+    used = st["pool"]["used_bytes"] / max(1, st["pool"]["capacity_bytes"])
+    pin = st.get("pinning", {})
+    note = f", pool not pinned: {pin.get('error', '')}" if pin.get("state") == "failed" else ""
+    return True, (f"{phase}, pid {st['pid']}, {st['blocks']['ready']} blocks ready, "
+                  f"pool {used:.0%} used, {len(st['clients'])} clients{note}")
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    try:
+        with _client(args) as c:
+            st = fetch_status(c)
+    except AdminError as e:
+        state = "down" if e.exit_code == EXIT_DOWN else "unhealthy"
+        ok, why, code = False, str(e), e.exit_code
     else:
-        print(f"evicted {reply.count} blocks")
-    return EXIT_OK
+        ok, why = health_of(st, args.live)
+        state, code = ("ok", EXIT_OK) if ok else ("unhealthy", EXIT_FAIL)
+    why = why.replace("\n", " ")
+    if args.json:
+        print(json.dumps({"healthy": ok, "state": state, "reason": why}))
+    else:
+        print(f"{state}: {why}")
+    return code
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    tty = sys.stdout.isatty() and not args.json
+    prev: dict[str, Any] | None = None
+    prev_t = 0.0
+    n = 0
+    with _client(args) as c:
+        st = fetch_status(c)  # unreachable at the start: fail with the usual exit code
+        try:
+            while True:
+                now = time.monotonic()
+                r = render.rates(prev, st, now - prev_t)
+                prev, prev_t = st, now
+                stamp = time.strftime("%H:%M:%S")
+                if args.json:
+                    print(json.dumps({"time": time.time(), "phase": st.get("phase"),
+                                      "pool_used_bytes": st["pool"]["used_bytes"],
+                                      "clients": len(st["clients"]),
+                                      "tenants": len(st["tenants"]), **r}), flush=True)
+                else:
+                    screen = render.top_text(st, r, stamp)
+                    print(("\x1b[H\x1b[2J" if tty else "\n") + screen, flush=True)
+                n += 1
+                if args.iterations and n >= args.iterations:
+                    return EXIT_OK
+                time.sleep(args.interval)
+                try:
+                    st = fetch_status(c)
+                except AdminError as e:  # show the outage, keep watching
+                    print(f"{stamp} {e}", file=sys.stderr, flush=True)
+                    c.close()
+                    st = prev
+        except KeyboardInterrupt:
+            print()
+            return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "status": cmd_status, "tenants": cmd_tenants, "clients": cmd_clients, "top": cmd_top,
+    "evict": cmd_evict, "flush": cmd_flush, "config": cmd_config, "health": cmd_health,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +248,18 @@ def main(argv: list[str] | None = None) -> int:
         from kvd.cli import simulate
 
         return simulate.run(args)
-    handler = {"status": cmd_status, "health": cmd_health, "evict": cmd_evict}[args.command]
-    return handler(args)
+    try:
+        args.socket_path = resolve_socket(args)
+    except Exception as e:  # noqa: BLE001 - an explicit --config that does not load
+        print(f"kvdctl: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return COMMANDS[args.command](args)
+    except AdminError as e:
+        print(f"kvdctl: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 from kvd import __version__
 from kvd.config import load
 from kvd.errors import KvdError
+from kvd.logs import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,22 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
                    help="do not fault the pool in at start")
     s.add_argument("--mlock", action="store_const", const=True, help="lock the pool in RAM")
+    s.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="Prometheus endpoint port, 0 disables (KVD_METRICS_PORT; default 9727)")
+    s.add_argument("--metrics-addr", metavar="ADDR",
+                   help="Prometheus endpoint address (default 127.0.0.1)")
     return p
-
-
-def setup_logging(level: str) -> None:
-    # One event per line, no colour: journald adds its own timestamps and levels.
-    fmt = "%(levelname)s %(name)s: %(message)s"
-    if sys.stderr.isatty():
-        fmt = "%(asctime)s " + fmt
-    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
-        config, _ = load(args.config, flags=flags)
+        config, origins = load(args.config, flags=flags)
     except KvdError as e:
         print(f"kvd: {e}", file=sys.stderr)
         return 2
@@ -51,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        uvloop.run(_serve(config))
+        # SIGHUP re-reads the same file, the environment and the same flags.
+        uvloop.run(_serve(config, origins, lambda: load(args.config, flags=flags)))
     except KvdError as e:
         logging.getLogger("kvd").error("%s", e)
         return 1
@@ -60,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve(config) -> None:
+async def _serve(config, origins, reload_config) -> None:
     from kvd.server import serve
 
-    await serve(config)
+    await serve(config, origins, reload_config)
 
 
 if __name__ == "__main__":

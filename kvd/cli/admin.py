@@ -1,0 +1,135 @@
+"""kvdctl's connection to the daemon: synchronous, one request at a time, and precise
+about *why* a request failed.
+
+Why not ``kvd_client.Connection``: that one is built for engines, so it fails open
+(a refused handshake just looks "down" and is retried in the background). An operator
+needs the opposite: tell "nothing is listening" (exit 3) from "you may not" (exit 1)
+from "kvd said no" (exit 1), in words that say what to do.
+
+    AdminError            exit code in ``.exit_code``
+    ├── Unreachable       3: no socket, nothing answering, or no answer in time
+    ├── Refused           1: socket permissions or FORBIDDEN
+    └── Failed            1: any other error reply (``.code``)
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import zmq
+
+from kvd_proto import messages as m
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_DOWN = 0, 1, 2, 3
+
+
+class AdminError(Exception):
+    exit_code = EXIT_FAIL
+
+
+class Unreachable(AdminError):
+    exit_code = EXIT_DOWN
+
+
+class Refused(AdminError):
+    pass
+
+
+class Failed(AdminError):
+    def __init__(self, code: m.Code, message: str) -> None:
+        super().__init__(f"kvd refused the request: {m.Code(code).name}: {message}")
+        self.code = m.Code(code)
+
+
+def check_socket(path: str) -> None:
+    """Fail fast with a useful message before ZeroMQ silently retries forever."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise Unreachable(f"kvd is not running: no socket at {path} "
+                          "(start it with `systemctl start kvd`, or pass --socket)") from None
+    except PermissionError:
+        raise Refused(f"permission denied reaching {path}: the directory is not "
+                      "accessible to you (join the kvd group)") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise Unreachable(f"{path} is not a socket")
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise Refused(f"permission denied on {path}: connecting needs write access "
+                      "(join the socket's group, usually kvd, or run as root)")
+
+
+class AdminClient:
+    """A DEALER socket that has said Hello; ``request`` returns the reply or raises."""
+
+    def __init__(self, path: str, timeout: float = 3.0, name: str = "kvdctl") -> None:
+        self.path = path
+        self.timeout = timeout
+        self.name = name
+        self._req = 0
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self.daemon_pid = 0
+
+    def _open(self) -> None:
+        check_socket(self.path)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        self._sock.connect(f"ipc://{self.path}")
+        hello = self._roundtrip(m.Hello(self._next(), m.PROTOCOL_VERSION, os.getpid(),
+                                        self.name))
+        assert isinstance(hello, m.HelloOk)
+        self.daemon_pid = hello.daemon_pid
+
+    def _next(self) -> int:
+        self._req += 1
+        return self._req
+
+    def _roundtrip(self, msg: m.Request) -> m.Reply:
+        sock = self._sock
+        assert sock is not None
+        sock.send(m.encode(msg))
+        deadline_ms = int(self.timeout * 1000)
+        while True:
+            if not sock.poll(deadline_ms):
+                raise Unreachable(f"kvd is not answering on {self.path} "
+                                  f"(no reply in {self.timeout:g}s; stale socket or hung "
+                                  "daemon? see `systemctl status kvd`)")
+            reply = m.decode_reply(sock.recv())
+            if reply.req != msg.req:
+                continue  # a late answer to an earlier request
+            if isinstance(reply, m.Error):
+                if reply.code == m.Code.FORBIDDEN:
+                    raise Refused(f"access refused by kvd: {reply.message}")
+                raise Failed(reply.code, reply.message)
+            return reply
+
+    def request(self, make: type[m.Request] | object, *args: object) -> m.Reply:
+        """``request(m.Evict, 3)`` -> the reply to ``Evict(req, 3)``. Reconnects once
+        when the daemon forgot this client (it restarted, e.g. during ``top``)."""
+        for attempt in (0, 1):
+            if self._sock is None:
+                self._open()
+            try:
+                return self._roundtrip(make(self._next(), *args))  # type: ignore[operator]
+            except Failed as e:
+                if e.code != m.Code.NOT_REGISTERED or attempt:
+                    raise
+                self.close()
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,229 @@
+"""The daemon's life as an operator sees it: start-up, readiness, watchdog, status
+line, metrics, SIGHUP reload and a graceful SIGTERM.
+
+Why a module of its own: the server owns the socket and the loop, the service owns the
+state; this is the glue between them and the outside (systemd, Prometheus, signals),
+and keeping it here keeps both of them small. Everything runs on the event loop except
+the start-up timeout extension (the loop is not running yet while the pool is faulted
+in) and the metrics HTTP thread (which reads state only through ``LoopSnapshot``).
+
+Phases, reported in ``status()["phase"]``, on STATUS= and as ``kvd_phase``:
+``starting`` -> (``restoring``, set by persistence through ``set_phase``) -> ``serving``
+-> ``stopping``. Contract of a stop: STOPPING=1 first; new Register / Lookup / Allocate
+/ Transfer get ``BUSY``; in-flight transfers finish (bounded by ``stop_timeout_ms``, cut
+short by a second signal); then ``Service.shutdown()`` (where the journal is flushed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvd.config import Config
+from kvd.errors import KvdError
+from kvd.metrics import LoopSnapshot, Metrics
+from kvd.notify import Notifier
+from kvd_proto import messages as m
+
+if TYPE_CHECKING:
+    from kvd.server import Server
+
+log = logging.getLogger("kvd.lifecycle")
+STATUS_PERIOD_S = 5.0
+POOL_PREP_BYTES_PER_S = 100 * 1024**2  # a pessimistic prefault rate for the timeout cap
+# What SIGHUP may change without a restart: values the service reads from ``config``
+# per request (access rules included: ``Service.access`` is rebuilt when the config
+# object changes). A new key belongs here once the service reads it that way or applies
+# it in ``Service.reconfigure`` (quotas, policy parameters); everything else is reported
+# as "restart needed".
+LIVE_KEYS = frozenset({
+    "log_level", "max_lease_ms", "max_pending_ms", "max_keys_per_request", "stop_timeout_ms",
+    "allowed_uids", "allowed_groups", "admin_uids", "max_leased_blocks",
+    "max_pending_blocks", "client_timeout_ms",
+})
+ReloadFn = Callable[[], "tuple[Config, dict[str, str]]"]
+
+
+def config_changes(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
+    """(live changes key -> (old, new), keys that changed but need a restart)."""
+    live: dict[str, tuple[Any, Any]] = {}
+    restart: list[str] = []
+    for key in old.__struct_fields__:
+        a, b = getattr(old, key), getattr(new, key)
+        if a == b:
+            continue
+        if key in LIVE_KEYS:
+            live[key] = (a, b)
+        else:
+            restart.append(key)
+    return live, restart
+
+
+class Lifecycle:
+    def __init__(self, server: Server, origins: dict[str, str] | None = None,
+                 reload_config: ReloadFn | None = None,
+                 notifier: Notifier | None = None) -> None:
+        self.server = server
+        self.origins = dict(origins or {})
+        self.reload_config = reload_config
+        self.notifier = notifier if notifier is not None else Notifier.from_environ()
+        self.phase = "starting"
+        self.metrics: Metrics | None = None
+        self._hurry = False
+        self._last_counts = (0, 0)  # (lookup_keys, hit_blocks) at the last status line
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # chain name -> next call
+
+    # ------------------------------------------------------------ start-up
+    @contextlib.contextmanager
+    def preparing_pool(self, path: str, size: int) -> Iterator[None]:
+        """Keep systemd's start timeout extended while the pool is created and faulted."""
+        what = f"preparing pool: {size >> 20} MiB at {path}"
+        cap = 60.0 + size / POOL_PREP_BYTES_PER_S
+        with self.notifier.extending(what, at_most=cap):
+            yield
+
+    def started(self) -> None:
+        """On the loop, once the ROUTER accepts clients: metrics, READY=1, timers, SIGHUP."""
+        server = self.server
+        server.service.origins = self.origins
+        cfg = server.config
+        snapshot = LoopSnapshot(server.loop, server.service.status)
+        self.metrics = Metrics(snapshot.get)
+        self.metrics.serve(cfg.metrics_addr, cfg.metrics_port)
+        if self.phase == "starting":
+            self.phase = "serving"
+        server.loop.add_signal_handler(signal.SIGHUP, self.reload)
+        self.notifier.ready(self.status_line())
+        if self.notifier.watchdog_interval > 0:
+            log.info("systemd watchdog: pinging every %.1fs", self.notifier.watchdog_interval)
+            self._watchdog()
+        if self.notifier.enabled:
+            self._timers["status"] = server.loop.call_later(STATUS_PERIOD_S, self._status_tick)
+
+    def set_phase(self, phase: str) -> None:
+        """For other shell parts (persistence: ``restoring``); updates STATUS at once."""
+        self.phase = phase
+        self.notifier.status(self.status_line())
+
+    def status(self) -> dict[str, Any]:
+        """What the lifecycle adds to ``Service.status()``."""
+        return {"phase": self.phase,
+                "metrics": self.metrics.address if self.metrics else "",
+                "systemd": {"notify": self.notifier.enabled,
+                            "watchdog_s": self.notifier.watchdog_interval * 2}}
+
+    # ------------------------------------------------------------ periodic, on the loop
+    def _watchdog(self) -> None:
+        self.notifier.watchdog()
+        if self.phase != "stopped":
+            self._timers["watchdog"] = self.server.loop.call_later(
+                self.notifier.watchdog_interval, self._watchdog)
+
+    def _status_tick(self) -> None:
+        self.notifier.status(self.status_line())
+        if self.phase not in ("stopping", "stopped"):
+            self._timers["status"] = self.server.loop.call_later(STATUS_PERIOD_S,
+                                                                 self._status_tick)
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status``: phase, pool, pinning, clients, hit rate."""
+        st = self.server.service.status()
+        pool, c = st["pool"], st["counters"]
+        asked, hit = c["lookup_keys"], c["hit_blocks"]
+        d_asked, d_hit = asked - self._last_counts[0], hit - self._last_counts[1]
+        self._last_counts = (asked, hit)
+        rate = f"{d_hit / d_asked:.1%}" if d_asked else "-"
+        used = pool["used_bytes"] / max(1, pool["capacity_bytes"])
+        pin = st.get("pinning", {})
+        pinned = {"done": "pinned", "running": f"pinning {pin.get('fraction', 0):.0%}"}.get(
+            pin.get("state", ""), "unpinned")
+        return (f"{self.phase}: pool {used:.0%} of {pool['capacity_bytes'] >> 20} MiB, "
+                f"{pinned}; {len(st['clients'])} clients, {len(st['tenants'])} tenants; "
+                f"hit rate {rate}")
+
+    # ------------------------------------------------------------ transfers
+    def transfer_done(self, direction: int, ok: bool, seconds: float) -> None:
+        if self.metrics is not None:
+            name = "store" if direction == m.Direction.STORE else "load"
+            self.metrics.observe_transfer(name, ok, seconds)
+
+    # ------------------------------------------------------------ SIGHUP
+    def reload(self) -> None:
+        """Re-read file, environment and flags; apply what can change live; log it."""
+        if self.reload_config is None:
+            log.warning("SIGHUP: reload not available (no configuration source)")
+            return
+        self.notifier.reloading()
+        try:
+            try:
+                new, origins = self.reload_config()
+            except KvdError as e:
+                log.error("reload failed, keeping the running configuration: %s", e)
+                return
+            self.apply(new, origins)
+        finally:
+            self.notifier.ready(self.status_line())
+
+    def apply(self, new: Config, origins: dict[str, str]) -> dict[str, tuple[Any, Any]]:
+        """Swap in a config with the live keys of ``new`` (Config is frozen: replaced,
+        never mutated); returns the live changes."""
+        server = self.server
+        live, restart = config_changes(server.config, new)
+        if live:
+            effective = msgspec.structs.replace(server.config,
+                                                **{k: v[1] for k, v in live.items()})
+            server.config = effective
+            server.service.reconfigure(effective)
+            self.origins.update({k: origins[k] for k in live if k in origins})
+            server.service.origins = self.origins
+            if "log_level" in live:
+                logging.getLogger().setLevel(effective.log_level.upper())
+        said = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(live.items()))
+        parts = [f"reloaded {said}" if said else "reload: no live setting changed"]
+        if restart:
+            parts.append(f"restart needed for {', '.join(sorted(restart))} (not applied)")
+        log.info("; ".join(parts))
+        return live
+
+    # ------------------------------------------------------------ stop
+    def request_stop(self) -> None:
+        """Signal handler (SIGTERM/SIGINT): the first starts a graceful stop, a second
+        cuts the wait for in-flight transfers short."""
+        server = self.server
+        if server.stopping.is_set():
+            log.warning("second stop signal: not waiting for in-flight transfers")
+            self._hurry = True
+            return
+        self.phase = "stopping"
+        server.service.stopping = True
+        self.notifier.stopping(self.status_line())
+        log.info("stopping: refusing new work, finishing %d in-flight transfers",
+                 server.service.inflight)
+        server.stopping.set()
+
+    async def drain(self) -> None:
+        """Wait (bounded) for in-flight transfers, then let the service shut down."""
+        service = self.server.service
+        deadline = time.monotonic() + self.server.config.stop_timeout_ms / 1000
+        while service.inflight > 0 and not self._hurry and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if service.inflight > 0:
+            log.warning("stopping with %d transfers still in flight (they fail)",
+                        service.inflight)
+        service.shutdown()
+
+    def close(self) -> None:
+        self.phase = "stopped"
+        for t in self._timers.values():
+            t.cancel()
+        self._timers.clear()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.notifier.close()

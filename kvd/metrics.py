@@ -1,0 +1,220 @@
+"""Prometheus metrics: the daemon's status document, exported at scrape time.
+
+Why a custom collector instead of Counter objects incremented on the hot path: every
+number already lives in the core's counters and in ``Service.status()``; counting twice
+would cost time per request and could drift from ``kvdctl status``. So a scrape asks the
+event loop for a fresh status document (the loop owns the state; the HTTP server runs
+on prometheus-client's own thread and must not read it directly) and translates it.
+If the loop does not answer within a second (it is hung, and the watchdog will act),
+the last document is served and ``kvd_status_age_seconds`` says how old it is.
+
+Only the transfer-latency histograms are observed as events happen (on the loop, when a
+copy completes): a distribution cannot be rebuilt from counters.
+
+Everything registers into an injected ``CollectorRegistry``, never the global one, so
+tests and several daemons in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("kvd.metrics")
+DEFAULT_PORT = 9727
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# (metric name without _total, key in status["counters"], help). Names match the JSON
+# of `kvdctl status --json` so a dashboard and the CLI always agree.
+COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvd_requests", "requests", "Requests received"),
+    ("kvd_lookups", "lookups", "Lookup requests"),
+    ("kvd_lookup_blocks", "lookup_keys", "Blocks asked for by lookups"),
+    ("kvd_hit_blocks", "hit_blocks", "Blocks found by lookups (leading READY run)"),
+    ("kvd_lookup_tokens", "lookup_tokens", "Tokens asked for (blocks x block_tokens)"),
+    ("kvd_hit_tokens", "hit_tokens", "Tokens found by lookups (blocks x block_tokens)"),
+    ("kvd_stored_blocks", "stored_blocks", "Blocks that became READY"),
+    ("kvd_stored_bytes", "stored_bytes", "Bytes copied into the pool"),
+    ("kvd_loaded_blocks", "loaded_blocks", "Blocks copied out of the pool"),
+    ("kvd_loaded_bytes", "loaded_bytes", "Bytes copied out of the pool"),
+    ("kvd_evicted_blocks", "evicted_blocks", "Blocks evicted (policy or admin)"),
+    ("kvd_failed_stores", "failed_stores", "Stores aborted before READY"),
+    ("kvd_failed_transfers", "failed_transfers", "Transfers that completed with an error"),
+    ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),
+    ("kvd_expired_pending", "expired_pending", "Pending stores dropped at their deadline"),
+    ("kvd_no_space", "no_space", "Allocations that found no room"),
+)
+
+
+class LoopSnapshot:
+    """A status document taken on the event loop, for readers on other threads."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, status: Callable[[], dict],
+                 timeout: float = 1.0) -> None:
+        self.loop = loop
+        self.status = status
+        self.timeout = timeout
+        self._last: dict[str, Any] = {}
+        self._taken = 0.0
+
+    def get(self) -> tuple[dict[str, Any], float]:
+        """The freshest document and its age in seconds."""
+        box: list[dict] = []
+        ready = threading.Event()
+
+        def take() -> None:
+            try:
+                box.append(self.status())
+            except Exception:  # noqa: BLE001 - a scrape must not kill the loop
+                log.exception("status for metrics failed")
+            finally:
+                ready.set()
+
+        try:
+            self.loop.call_soon_threadsafe(take)
+        except RuntimeError:  # the loop is closed: the daemon is exiting
+            ready.set()
+        if ready.wait(self.timeout) and box:
+            self._last, self._taken = box[0], time.monotonic()
+        age = time.monotonic() - self._taken if self._taken else float("inf")
+        return self._last, age
+
+
+class StatusCollector(Collector):
+    """Translates a status document into metric families at scrape time."""
+
+    def __init__(self, source: Callable[[], tuple[dict[str, Any], float]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        st, age = self.source()
+        yield GaugeMetricFamily("kvd_status_age_seconds",
+                                "Age of the status document behind this scrape", value=age)
+        if not st:
+            return
+        yield from self._counters(st.get("counters", {}))
+        yield from self._gauges(st)
+        yield from self._tenants(st.get("tenants", []))
+
+    @staticmethod
+    def _counters(c: dict[str, Any]) -> Iterator[Metric]:
+        for name, key, doc in COUNTERS:
+            if key in c:
+                yield CounterMetricFamily(name, doc, value=c[key])
+        for miss, asked, hit, doc in (
+            ("kvd_missed_blocks", "lookup_keys", "hit_blocks", "Blocks asked for and not found"),
+            ("kvd_missed_tokens", "lookup_tokens", "hit_tokens", "Tokens asked for and not found"),
+        ):
+            if asked in c and hit in c:
+                yield CounterMetricFamily(miss, doc, value=c[asked] - c[hit])
+        errors = CounterMetricFamily("kvd_errors", "Error replies and failed transfers by code",
+                                     labels=["code"])
+        for code, n in sorted(c.get("errors_by_code", {}).items()):
+            errors.add_metric([code], n)
+        yield errors
+
+    @staticmethod
+    def _gauges(st: dict[str, Any]) -> Iterator[Metric]:
+        info = GaugeMetricFamily("kvd_info", "Constant 1, labelled with what this daemon is",
+                                 labels=["instance_id", "policy", "protocol"])
+        info.add_metric([st.get("instance", ""), st.get("policy", ""),
+                         str(st.get("version", ""))], 1)
+        yield info
+        phase = GaugeMetricFamily("kvd_phase", "1 for the daemon's current phase",
+                                  labels=["phase"])
+        phase.add_metric([st.get("phase", "serving")], 1)
+        yield phase
+        yield GaugeMetricFamily("kvd_uptime_seconds", "Seconds since start",
+                                value=st.get("uptime_s", 0))
+        pool = st.get("pool", {})
+        yield GaugeMetricFamily("kvd_pool_capacity_bytes", "Pool bytes usable for slots",
+                                value=pool.get("capacity_bytes", 0))
+        yield GaugeMetricFamily("kvd_pool_used_bytes", "Pool bytes in slots of any state",
+                                value=pool.get("used_bytes", 0))
+        pin = st.get("pinning", {})
+        if "pinned_bytes" in pin:
+            yield GaugeMetricFamily("kvd_pool_pinned_bytes", "Pool bytes registered for DMA",
+                                    value=pin["pinned_bytes"])
+        blocks = st.get("blocks", {})
+        fam = GaugeMetricFamily("kvd_blocks", "Pool slots by state", labels=["state"])
+        for state in ("ready", "pending", "pinned"):
+            fam.add_metric([state], blocks.get(state, 0))
+        yield fam
+        yield GaugeMetricFamily("kvd_leases", "Open leases (looked-up blocks held for a load)",
+                                value=blocks.get("leases", 0))
+        yield GaugeMetricFamily("kvd_pending_stores", "Blocks allocated and not yet READY",
+                                value=blocks.get("pending", 0))
+        yield GaugeMetricFamily("kvd_clients", "Connected clients",
+                                value=len(st.get("clients", [])))
+        yield GaugeMetricFamily("kvd_tenants", "Tenants known", value=len(st.get("tenants", [])))
+        yield GaugeMetricFamily("kvd_inflight_transfers", "Transfers submitted and not done",
+                                value=st.get("transfers", {}).get("inflight", 0))
+
+    @staticmethod
+    def _tenants(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
+        labels = ["tenant", "model"]
+        used = GaugeMetricFamily("kvd_tenant_used_bytes", "READY bytes held per tenant", labels=labels)
+        blocks = GaugeMetricFamily("kvd_tenant_blocks", "READY blocks held per tenant", labels=labels)
+        clients = GaugeMetricFamily("kvd_tenant_clients", "Clients per tenant", labels=labels)
+        quota = GaugeMetricFamily("kvd_tenant_capacity_bytes",
+                                  "Bytes a tenant may hold (its quota; the pool without one)",
+                                  labels=labels)
+        for t in tenants:
+            key = [str(t["id"]), t.get("model", "")]
+            used.add_metric(key, t.get("bytes", 0))
+            blocks.add_metric(key, t.get("blocks", 0))
+            clients.add_metric(key, t.get("clients", 0))
+            if "quota_bytes" in t:
+                quota.add_metric(key, t["quota_bytes"])
+        yield from (used, blocks, clients, quota)
+
+
+class Metrics:
+    """The daemon's registry: the status collector plus the transfer histograms."""
+
+    def __init__(self, source: Callable[[], tuple[dict[str, Any], float]],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(StatusCollector(source))
+        self.transfer_seconds = Histogram(
+            "kvd_transfer_seconds", "Transfer latency from submit to completion",
+            ["direction", "outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._server: Any = None
+        self.address = ""
+
+    def observe_transfer(self, direction: str, ok: bool, seconds: float) -> None:
+        """On the loop, once per completed Transfer (prometheus-client locks inside)."""
+        self.transfer_seconds.labels(direction, "ok" if ok else "error").observe(seconds)
+
+    def serve(self, addr: str, port: int) -> str:
+        """Start the HTTP endpoint on prometheus-client's thread; '' when not started.
+
+        A port that cannot be bound is logged and skipped: metrics are not the data
+        path, and refusing to start would turn a monitoring mistake into a cache outage.
+        """
+        if port <= 0:
+            return ""
+        try:
+            self._server, _ = start_http_server(port, addr, registry=self.registry)
+        except OSError as e:
+            log.error("metrics endpoint not started: cannot bind %s:%d: %s", addr, port,
+                      e.strerror or e)
+            return ""
+        self.address = f"http://{addr}:{port}/metrics"
+        log.info("metrics on %s", self.address)
+        return self.address
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
