@@ -82,10 +82,11 @@ class Lifecycle:
 
     # ------------------------------------------------------------ start-up
     @contextlib.contextmanager
-    def preparing_pool(self, path: str, size: int) -> Iterator[None]:
-        """Keep systemd's start timeout extended while the pool is created and faulted."""
-        what = f"preparing pool: {size >> 20} MiB at {path}"
-        cap = 60.0 + size / POOL_PREP_BYTES_PER_S
+    def preparing(self, what: str, nbytes: int) -> Iterator[None]:
+        """Keep systemd's start timeout extended while start-up work over ``nbytes`` of
+        pool runs (creating and faulting the pool in; restoring the index from the
+        journal), for at most a pessimistic time for that many bytes."""
+        cap = 60.0 + nbytes / POOL_PREP_BYTES_PER_S
         with self.notifier.extending(what, at_most=cap):
             yield
 
@@ -108,7 +109,8 @@ class Lifecycle:
             self._timers["status"] = server.loop.call_later(STATUS_PERIOD_S, self._status_tick)
 
     def set_phase(self, phase: str) -> None:
-        """For other shell parts (persistence: ``restoring``); updates STATUS at once."""
+        """For other shell parts: a phase set before ``started()`` (``restoring``) is kept
+        until its owner sets ``serving``; updates STATUS at once."""
         self.phase = phase
         self.notifier.status(self.status_line())
 
@@ -144,9 +146,11 @@ class Lifecycle:
         pin = st.get("pinning", {})
         pinned = {"done": "pinned", "running": f"pinning {pin.get('fraction', 0):.0%}"}.get(
             pin.get("state", ""), "unpinned")
+        persist = self.server.service.persist
+        restored = f", restored {persist.recovery.restored} blocks" if persist else ""
         return (f"{self.phase}: pool {used:.0%} of {pool['capacity_bytes'] >> 20} MiB, "
-                f"{pinned}; {len(st['clients'])} clients, {len(st['tenants'])} tenants; "
-                f"hit rate {rate}")
+                f"{pinned}{restored}; {len(st['clients'])} clients, "
+                f"{len(st['tenants'])} tenants; hit rate {rate}")
 
     # ------------------------------------------------------------ transfers
     def transfer_done(self, direction: int, ok: bool, seconds: float) -> None:

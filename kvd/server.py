@@ -42,7 +42,8 @@ class Server:
         self.stopping = asyncio.Event()
         # systemd, metrics, SIGHUP and the graceful stop live in kvd.lifecycle.
         self.lifecycle = Lifecycle(self, origins, reload_config)
-        with self.lifecycle.preparing_pool(config.pool_path, config.pool_size):
+        with self.lifecycle.preparing(f"preparing pool: {config.pool_size >> 20} MiB at "
+                                      f"{config.pool_path}", config.pool_size):
             self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
                              lock=config.mlock, keep=config.persist)
         self.engines: dict[str, TransferEngine] = {
@@ -53,7 +54,9 @@ class Server:
         self.pinner: PoolPinner | None = None
         if config.cuda:
             self._start_cuda()
-        self.service = Service(config, self.pool, self.engines, self._send)
+        with self.lifecycle.preparing(f"restoring the index from {config.journal}"
+                                      if config.persist else "indexing", config.pool_size):
+            self.service = Service(config, self.pool, self.engines, self._send)
         self.service.extra_status = self._extra_status
         self.service.on_client = self._watch
         self._pidfds: dict[int, int] = {}  # pid -> pidfd
@@ -61,7 +64,8 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        # The hard cap drops the connection; below it, oversize gets a typed error.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self._bind()
@@ -119,36 +123,48 @@ class Server:
         self.loop.call_soon(self._drain)  # sending can swallow the FD's edge
 
     def _drain(self) -> None:
-        sock, service = self.sock, self.service
+        sock = self.sock
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
             identity = frames[0].bytes
-            if len(frames) != 2:
-                reply: m.Reply | None = service.error(0, m.Code.BAD_REQUEST,
-                                                      f"expected 1 frame, got {len(frames) - 1}")
-            else:
-                data = frames[1].buffer
-                try:
-                    msg = m.decode_request(data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    reply = service.error(m.peek_req(data), m.Code.BAD_REQUEST,
-                                          f"malformed message: {e}")
-                else:
-                    try:
-                        reply = service.handle(identity, Peer.of(frames[1]), msg)
-                    except Exception as e:  # noqa: BLE001 - no input may crash the daemon
-                        log.exception("internal error on %s", type(msg).__name__)
-                        reply = service.error(getattr(msg, "req", 0), m.Code.INTERNAL,
-                                              f"internal error: {e}")
+            try:
+                reply = self._answer(identity, frames)
+            except Exception as e:  # noqa: BLE001 - the drain loop must never stop early
+                log.exception("internal error")
+                reply = self.service.error(0, m.Code.INTERNAL, f"internal error: {e}")
             if reply is not None:
                 try:
                     sock.send_multipart([identity, m.encode(reply)], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-        service.idle()  # bookkeeping that need not delay the replies
+        try:
+            self.service.idle()  # bookkeeping that need not delay the replies
+        except Exception:  # noqa: BLE001
+            log.exception("idle work failed")
+
+    def _answer(self, identity: bytes, frames: list[zmq.Frame]) -> m.Reply | None:
+        service = self.service
+        if len(frames) != 2:
+            return service.error(0, m.Code.BAD_REQUEST,
+                                 f"expected 1 frame, got {len(frames) - 1}")
+        data = frames[1].buffer
+        if len(data) > self.config.max_message_bytes:
+            return service.error(m.peek_req(data), m.Code.BAD_REQUEST,
+                                 f"message of {len(data)} bytes exceeds max_message_bytes")
+        try:
+            msg = m.decode_request(data)
+        except (msgspec.MsgspecError, ValueError) as e:
+            return service.error(m.peek_req(data), m.Code.BAD_REQUEST,
+                                 f"malformed message: {e}")
+        try:
+            return service.handle(identity, Peer.of(frames[1]), msg)
+        except Exception as e:  # noqa: BLE001 - no input may crash the daemon
+            log.exception("internal error on %s", type(msg).__name__)
+            return service.error(getattr(msg, "req", 0), m.Code.INTERNAL,
+                                 f"internal error: {e}")
 
     # ------------------------------------------------------------ engines
     def _engine_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:

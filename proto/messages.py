@@ -288,12 +288,18 @@ encode = _encoder.encode
 
 
 def decode_request(data: bytes | memoryview) -> Request:
-    """Decode one request; raises msgspec.DecodeError/ValidationError on bad input."""
-    return _request_decoder.decode(data)
+    """Decode one request; raises msgspec.DecodeError on any bad input."""
+    try:
+        return _request_decoder.decode(data)
+    except UnicodeDecodeError as e:  # msgspec lets this one through for str fields
+        raise msgspec.DecodeError(f"invalid UTF-8: {e}") from None
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
-    return _reply_decoder.decode(data)
+    try:
+        return _reply_decoder.decode(data)
+    except UnicodeDecodeError as e:
+        raise msgspec.DecodeError(f"invalid UTF-8: {e}") from None
 
 
 def peek_req(data: bytes | memoryview) -> int:

@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: a daemon subprocess and table printing."""
+"""Shared helpers for the benchmarks and chaos scripts: a daemon subprocess and tables."""
 
 from __future__ import annotations
 
@@ -10,45 +10,86 @@ import sys
 import tempfile
 import time
 import uuid
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvd_client import Connection
+from kvd_proto import messages as m
 
 
-@contextmanager
-def daemon(*args: str) -> Iterator[tuple[str, int]]:
-    """A ``kvd serve`` subprocess on a private socket; yields (socket, pid)."""
-    tag = uuid.uuid4().hex[:8]
-    tmp = tempfile.mkdtemp(prefix="kvd-bench-")
-    sock = os.path.join(tmp, "kvd.sock")
-    pool = f"/dev/shm/kvd-bench-{tag}.pool"
-    log = open(os.path.join(tmp, "kvd.log"), "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", sock,
-         "--pool-path", pool, "--log-level", "warning", *args],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
+class DaemonProc:
+    """A ``kvd serve`` subprocess on a private socket and pool file."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.dir = tempfile.mkdtemp(prefix="kvd-bench-")
+        self.socket = os.path.join(self.dir, "kvd.sock")
+        self.pool_path = f"/dev/shm/kvd-bench-{tag}.pool"
+        self.log_path = os.path.join(self.dir, "kvd.log")
+        self.args = list(args)
+        self.env = {"KVD_METRICS_PORT": "0", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60) -> DaemonProc:
+        log = open(self.log_path, "ab")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", self.socket,
+             "--pool-path", self.pool_path, *self.args],
+            stdout=log, stderr=subprocess.STDOUT, env={**env, **self.env})
+        deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(open(log.name).read())
-            if os.path.exists(sock):
-                with Connection(sock, timeout=2) as c:
+            if self.proc.poll() is not None:
+                raise RuntimeError(open(self.log_path).read())
+            if os.path.exists(self.socket):
+                with Connection(self.socket, timeout=2) as c:
                     if c.wait_up(2):
-                        break
+                        return self
             if time.monotonic() > deadline:
                 raise RuntimeError("kvd did not start")
             time.sleep(0.05)
-        yield sock, proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return 0 if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(20)
+            return self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        if os.path.exists(pool):
-            os.unlink(pool)
+            self.proc.kill()
+            return -9
+
+    def status(self) -> dict:
+        with Connection(self.socket, timeout=10) as c:
+            assert c.wait_up(10), "kvd not answering"
+            return json.loads(c.request(m.Stats(c.next_req()), 10).status)
+
+    def cleanup(self) -> None:
+        self.stop()
+        for path in (self.pool_path, self.pool_path + ".journal"):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+@contextmanager
+def daemon(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+    """A started daemon for the duration of a block; yields (socket, pid)."""
+    d = DaemonProc(*args, "--log-level", "warning", env=env)
+    try:
+        d.start()
+        yield d.socket, d.pid
+    finally:
+        d.cleanup()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -56,6 +97,19 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

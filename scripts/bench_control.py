@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import cpu_seconds, daemon, emit  # noqa: E402
+from _bench import cpu_seconds, daemon, emit, pct  # noqa: E402
 
 from kvd_client import Connection  # noqa: E402
 from kvd_proto import messages as m  # noqa: E402
@@ -32,11 +32,6 @@ FP = m.Fingerprint(model="bench-control", dtype="bf16", kv_dtype="bf16", block_t
 
 def key(tag: str, i: int) -> bytes:
     return f"{tag}{i:010d}".encode().ljust(36, b"\0")  # the size of a sha256 OffloadKey
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def timed(conn: Connection, make, n: int, after=None) -> list[float]:

@@ -90,7 +90,8 @@ def make_daemon(tmp_path: Path, *args: str) -> Daemon:
     return Daemon(
         socket=str(tmp_path / f"kvd-{tag}.sock"),
         pool_path=f"/dev/shm/kvd-test-{tag}.pool",
-        args=["--pool-size", "64M", "--extent-size", "1M", "--log-level", "debug", *args],
+        args=["--pool-size", "64M", "--extent-size", "1M", "--log-level", "debug",
+              "--metrics-port", "0", *args],
         log=tmp_path / f"kvd-{tag}.log",
     )
 
@@ -110,8 +111,9 @@ def daemon_factory(tmp_path: Path) -> Iterator:
         print(f"--- {d.log.name} ---\n{d.logs()[-4000:] if d.log.exists() else ''}")
         if d.proc is not None:
             d.stop(signal.SIGKILL)
-        if os.path.exists(d.pool_path):
-            os.unlink(d.pool_path)
+        for path in (d.pool_path, d.pool_path + ".journal"):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 @pytest.fixture

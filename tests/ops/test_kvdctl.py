@@ -1,0 +1,195 @@
+"""kvdctl against a real daemon: every command, its --json schema, and the exit codes
+(0 ok, 1 unhealthy/refused/error, 2 usage, 3 unreachable)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from kvd.cli import ctl
+from kvd_client import Connection
+from kvd_proto import messages as m
+from kvd_proto.ids import unpack_u32
+from tests.daemon.workers import Spec, Worker, fingerprint
+
+KVDCTL = [sys.executable, "-m", "kvd.cli.ctl"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = ctl.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def run_json(capsys, *argv: str):
+    rc, out, _ = run(capsys, *argv, "--json")
+    assert rc == 0, out
+    return json.loads(out)
+
+
+@pytest.fixture
+def busy_daemon(daemon_factory):
+    """A daemon holding 8 READY blocks of one tenant, with a scheduler still connected."""
+    d = daemon_factory("--metrics-port", "0")
+    spec = Spec(d.socket)
+    sched = Connection(d.socket, name="sched", register=m.Register(0, fingerprint(spec), -1))
+    assert sched.wait_up(10)
+    w = Worker(spec)
+    ks = [f"k{i}".encode().ljust(36, b"\0") for i in range(8)]
+    r = sched.request(m.Allocate(sched.next_req(), ks))
+    assert w.store(1, range(8), unpack_u32(r.slots))[1] == 0
+    w.close()
+    yield d
+    sched.close()
+
+
+def test_every_command_with_json(busy_daemon, capsys):
+    s = ("--socket", busy_daemon.socket)
+    st = run_json(capsys, *s, "status")
+    for key, kind in {"pid": int, "instance": str, "uptime_s": float, "policy": str,
+                      "phase": str, "pool": dict, "blocks": dict, "clients": list,
+                      "tenants": list, "counters": dict, "transfers": dict, "metrics": str}.items():
+        assert isinstance(st[key], kind), key
+    assert st["phase"] == "serving" and st["blocks"]["ready"] == 8
+
+    tenants = run_json(capsys, *s, "tenants")["tenants"]
+    assert len(tenants) == 1
+    assert set(tenants[0]) >= {"id", "model", "tp_size", "slot_bytes", "blocks", "bytes",
+                               "clients", "digest"}
+    clients = run_json(capsys, *s, "clients")["clients"]
+    sched = next(c for c in clients if c["name"] == "sched")
+    assert set(sched) >= {"id", "pid", "name", "tenant", "rank", "inflight", "requests"}
+
+    cfg = run_json(capsys, *s, "config")
+    assert cfg["socket"] == {"value": busy_daemon.socket, "origin": "flag"}
+    assert cfg["stop_timeout_ms"] == {"value": 10_000, "origin": "default"}
+    assert all(set(v) == {"value", "origin"} for v in cfg.values())
+
+    health = run_json(capsys, *s, "health")
+    assert health["healthy"] is True and health["state"] == "ok"
+
+    lines = run(capsys, *s, "top", "--json", "--iterations", "2", "--interval", "0.1")
+    assert lines[0] == 0
+    rows = [json.loads(x) for x in lines[1].splitlines()]
+    assert len(rows) == 2 and {"lookups_per_s", "hit_rate", "pool_used_bytes"} <= set(rows[1])
+
+    assert run_json(capsys, *s, "evict", "--tenant", str(tenants[0]["id"])) == {
+        "evicted_blocks": 8}
+    assert run_json(capsys, *s, "flush") == {"evicted_blocks": 0, "kept_blocks": 0}
+    assert run_json(capsys, *s, "evict", "--all") == {"evicted_blocks": 0}
+
+
+def test_human_output(busy_daemon, capsys):
+    s = ("--socket", busy_daemon.socket)
+    rc, out, _ = run(capsys, *s, "status")
+    assert rc == 0 and "pool" in out and "ready 8" in out
+    rc, out, _ = run(capsys, *s, "tenants")
+    assert out.splitlines()[0].split()[:3] == ["TENANT", "MODEL", "TP"] and "tiny" in out
+    rc, out, _ = run(capsys, *s, "clients")
+    assert out.startswith("CLIENT") and "sched" in out
+    rc, out, _ = run(capsys, *s, "config")
+    assert out.startswith("KEY") and "pool_size" in out and "flag" in out
+    rc, out, _ = run(capsys, *s, "health")
+    assert rc == 0 and out.startswith("ok: serving") and out.count("\n") == 1
+    rc, out, _ = run(capsys, *s, "top", "--iterations", "1")
+    assert rc == 0 and "lookups/s" in out and "TENANT" in out
+    rc, out, _ = run(capsys, *s, "flush")
+    assert rc == 0 and out == "flushed 8 blocks; 0 in use kept\n"
+
+
+def test_error_reply_exits_1(busy_daemon, capsys):
+    rc, _, err = run(capsys, "--socket", busy_daemon.socket, "evict", "--tenant", "999")
+    assert rc == 1 and "no tenant 999" in err
+
+
+def test_daemon_down_exits_3_with_a_clear_message(tmp_path, capsys):
+    missing = str(tmp_path / "nobody.sock")
+    for cmd in ("status", "tenants", "clients", "top", "evict --all", "flush", "config"):
+        rc, out, err = run(capsys, "--socket", missing, *cmd.split())
+        assert rc == 3 and out == "" and f"kvd is not running: no socket at {missing}" in err
+    rc, out, _ = run(capsys, "--socket", missing, "health")
+    assert rc == 3 and out.startswith("down: ") and out.count("\n") == 1
+    health = json.loads(run(capsys, "--socket", missing, "health", "--json")[1])
+    assert health == {"healthy": False, "state": "down", "reason": health["reason"]}
+
+
+def test_stale_socket_exits_3_after_the_timeout(tmp_path, capsys):
+    path = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)  # a socket file nobody listens on: a daemon killed with -9
+        t0 = time.monotonic()
+        rc, _, err = run(capsys, "--socket", path, "--timeout", "0.5", "status")
+    assert rc == 3 and "not answering" in err and time.monotonic() - t0 < 5
+
+
+def fake_daemon(path: str, reply) -> threading.Thread:
+    """A ROUTER answering one Hello with ``reply(req)``, then going away."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"ipc://{path}")
+
+    def serve() -> None:
+        if sock.poll(5000):
+            ident, data = sock.recv_multipart()
+            msg = m.decode_request(data)
+            sock.send_multipart([ident, m.encode(reply(msg.req))])
+        time.sleep(0.2)
+        sock.close(linger=0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t
+
+
+def test_access_refused_exits_1(tmp_path, capsys):
+    path = str(tmp_path / "forbidden.sock")
+    t = fake_daemon(path, lambda req: m.Error(req, m.Code.FORBIDDEN,
+                                              "uid 1000 may not use this kvd"))
+    rc, out, _ = run(capsys, "--socket", path, "health")
+    t.join(5)
+    assert rc == 1 and out == "unhealthy: access refused by kvd: uid 1000 may not use this kvd\n"
+
+
+def test_usage_errors_exit_2(capsys):
+    for argv in ([], ["evict"], ["evict", "--all", "--tenant", "1"], ["bogus"]):
+        with pytest.raises(SystemExit) as e:
+            ctl.main(argv)
+        assert e.value.code == 2
+    assert ctl.main(["--config", "/nonexistent/kvd.toml", "status"]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+
+
+def test_socket_comes_from_the_config_file(busy_daemon, tmp_path, capsys, monkeypatch):
+    f = tmp_path / "kvd.toml"
+    f.write_text(f'socket = "{busy_daemon.socket}"\n')
+    monkeypatch.delenv("KVD_SOCKET", raising=False)
+    assert run(capsys, "--config", str(f), "health")[0] == 0
+    monkeypatch.setenv("KVD_SOCKET", busy_daemon.socket)
+    assert run(capsys, "health")[0] == 0
+
+
+def test_entry_point_health_is_one_line_and_top_quits_on_ctrl_c(busy_daemon):
+    p = subprocess.run([*KVDCTL, "--socket", busy_daemon.socket, "health"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stdout.count("\n") == 1 and p.stderr == ""
+    top = subprocess.Popen([*KVDCTL, "--socket", busy_daemon.socket, "top"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    top.send_signal(signal.SIGINT)
+    out, err = top.communicate(timeout=10)
+    assert top.returncode == 0, err
+    assert out.count("Ctrl-C quits") >= 2 and "Traceback" not in err
+    assert "\x1b[" not in out  # not a terminal: no screen clearing
+    busy_daemon.stop()
+    p = subprocess.run([*KVDCTL, "--socket", busy_daemon.socket, "health"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 3 and p.stdout.startswith("down: ")

@@ -1,0 +1,178 @@
+"""SIGHUP reload and the graceful stop: what changes live, what is refused while stopping,
+and that a stop waits (boundedly) for transfers in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from kvd.access import Peer
+from kvd.cli import ctl
+from kvd.config import Config
+from kvd.lifecycle import Lifecycle, config_changes
+from kvd.notify import Notifier
+from kvd.pool import Pool
+from kvd.service import Service
+from kvd_proto import messages as m
+from kvd_proto.ids import pack_u32
+from tests.daemon.workers import Spec, fingerprint
+
+
+def wait_log(d, text: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = d.logs()
+        if text in logs:
+            return logs
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not logged:\n{d.logs()[-2000:]}")
+
+
+def config_json(d, capsys) -> dict:
+    assert ctl.main(["--socket", d.socket, "config", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sighup_applies_live_keys_and_names_the_rest(daemon_factory, tmp_path, capsys):
+    f = tmp_path / "kvd.toml"
+    f.write_text("max_lease_ms = 1000\ncopy_threads = 2\n")
+    d = daemon_factory("--config", str(f), "--metrics-port", "0")
+    before = config_json(d, capsys)
+    assert before["max_lease_ms"] == {"value": 1000, "origin": f"file {f}"}
+    assert before["pool_size"]["origin"] == "flag"
+
+    f.write_text("max_lease_ms = 2000\ncopy_threads = 3\nmax_pending_ms = 5000\n")
+    d.proc.send_signal(signal.SIGHUP)
+    logs = wait_log(d, "reloaded ")
+    assert "max_lease_ms 1000 -> 2000" in logs and "max_pending_ms 600000 -> 5000" in logs
+    assert "restart needed for copy_threads (not applied)" in logs
+    after = config_json(d, capsys)
+    assert after["max_lease_ms"] == {"value": 2000, "origin": f"file {f}"}
+    assert after["max_pending_ms"] == {"value": 5000, "origin": f"file {f}"}
+    assert after["copy_threads"]["value"] == 2  # a restart applies it
+
+    f.write_text("max_lease_ms = 'soon'\n")
+    d.proc.send_signal(signal.SIGHUP)
+    wait_log(d, "reload failed, keeping the running configuration")
+    assert config_json(d, capsys)["max_lease_ms"]["value"] == 2000
+    assert d.stop() == 0
+
+
+def test_config_changes_split_live_from_restart():
+    old = Config(pool_size=64 << 20, extent_size=1 << 20)
+    new = Config(pool_size=128 << 20, extent_size=1 << 20, log_level="debug",
+                 max_lease_ms=5)
+    live, restart = config_changes(old, new)
+    assert live == {"log_level": ("info", "debug"), "max_lease_ms": (120_000, 5)}
+    assert restart == ["pool_size"]
+
+
+@pytest.fixture
+def service():
+    path = f"/dev/shm/kvd-test-{uuid.uuid4().hex[:8]}.pool"
+    cfg = Config(pool_size=8 << 20, extent_size=1 << 20, pool_path=path)
+    pool = Pool(path, cfg.pool_size, prefault=False)
+    sent: list = []
+    svc = Service(cfg, pool, {}, lambda ident, reply: sent.append(reply))
+    yield svc
+    pool.close(unlink=True)
+
+
+def test_stopping_refuses_new_work_with_busy(service):
+    ident, me = b"c1", Peer(os.getpid(), os.getuid(), os.getgid())
+    assert isinstance(service.handle(ident, me, m.Hello(1, m.PROTOCOL_VERSION, 1)), m.HelloOk)
+    service.stopping = True
+    reg = service.handle(ident, me, m.Register(2, fingerprint(Spec("x")), -1))
+    assert isinstance(reg, m.Error) and reg.code == m.Code.BUSY and "stopping" in reg.message
+    done = service.handle(ident, me, m.Transfer(3, 7, m.Direction.LOAD, pack_u32([1]),
+                                               pack_u32([1])))
+    assert isinstance(done, m.Done) and done.code == m.Code.BUSY and done.event == 7
+    assert isinstance(service.handle(ident, me, m.Ping(4)), m.Ok)  # probes still answered
+    assert isinstance(service.handle(ident, me, m.Stats(5)), m.StatsOk)
+    assert service.status()["counters"]["errors_by_code"] == {"BUSY": 2}
+
+
+def _fake_server(inflight: int, stop_timeout_ms: int):
+    calls: list[str] = []
+    svc = SimpleNamespace(inflight=inflight, stopping=False,
+                          shutdown=lambda: calls.append("shutdown"))
+    server = SimpleNamespace(service=svc, stopping=asyncio.Event(),
+                             config=Config(stop_timeout_ms=stop_timeout_ms))
+    return server, calls
+
+
+def test_stop_waits_for_inflight_transfers_then_shuts_down():
+    async def scenario():
+        server, calls = _fake_server(inflight=2, stop_timeout_ms=5000)
+        life = Lifecycle(server, notifier=Notifier(None))
+        life.status_line = lambda: "x"  # no real service behind this fake
+        life.request_stop()
+        assert server.service.stopping and server.stopping.is_set() and life.phase == "stopping"
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, setattr, server.service, "inflight", 0)
+        t0 = time.monotonic()
+        await life.drain()
+        return time.monotonic() - t0, calls
+
+    waited, calls = asyncio.run(scenario())
+    assert 0.15 <= waited < 2.0 and calls == ["shutdown"]
+
+
+def test_stop_wait_is_bounded_and_a_second_signal_cuts_it_short():
+    async def scenario(second_signal: bool):
+        server, calls = _fake_server(inflight=1, stop_timeout_ms=300)
+        life = Lifecycle(server, notifier=Notifier(None))
+        life.status_line = lambda: "x"
+        life.request_stop()
+        if second_signal:
+            life.request_stop()
+        t0 = time.monotonic()
+        await life.drain()
+        return time.monotonic() - t0, calls
+
+    waited, calls = asyncio.run(scenario(False))
+    assert 0.25 <= waited < 2.0 and calls == ["shutdown"]
+    waited, _ = asyncio.run(scenario(True))
+    assert waited < 0.1
+
+
+def test_log_lines_fit_journald(tmp_path):
+    import io
+    import logging
+
+    from kvd.logs import OneLineFormatter, stream_is_journal
+
+    fmt = OneLineFormatter("%(levelname)s %(name)s: %(message)s", multiline=False,
+                           priority=True)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        rec = logging.LogRecord("kvd.x", logging.WARNING, __file__, 1,
+                                "client %s joined", ("\x1b[31mevil\nFAKE entry",), sys.exc_info())
+    line = fmt.format(rec)
+    assert "\n" not in line and "\x1b" not in line
+    assert line.startswith("<4>WARNING kvd.x: client \\x1b[31mevil\\nFAKE entry")
+    assert "Traceback" in line and "ValueError: boom" in line
+    with open(tmp_path / "j", "w") as f:
+        st = os.fstat(f.fileno())
+        assert stream_is_journal(f, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+        assert not stream_is_journal(f, {"JOURNAL_STREAM": "1:2"})
+        assert not stream_is_journal(io.StringIO(), {"JOURNAL_STREAM": "1:2"})
+
+
+def test_daemon_log_is_plain_one_line_events(daemon_factory):
+    d = daemon_factory("--metrics-port", "0")
+    d.stop()
+    lines = d.logs().splitlines()
+    assert lines and all(re.match(r"(DEBUG|INFO|WARNING|ERROR) kvd[\w.]*: ", ln) for ln in lines)
+    assert "\x1b" not in d.logs()
