@@ -28,6 +28,7 @@ from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
 from kvd.journal import Header
 from kvd.persist import Persistence
 from kvd.pool import Pool
+from kvd.status import status_document
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32, unpack_u32
 
@@ -453,51 +454,4 @@ class Service:
         return [c.identity for c in self.clients.values() if c.pid == pid]
 
     def status(self) -> dict:
-        ix, alloc = self.index, self.index.allocator
-        c = ix.counters
-        return {
-            "version": m.PROTOCOL_VERSION,
-            "instance": self.instance,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started, 3),
-            "policy": self.policy_name,
-            "pool": {
-                "path": self.pool.path,
-                "capacity_bytes": alloc.capacity_bytes,
-                "used_bytes": alloc.used_bytes,
-                "extent_bytes": alloc.extent_bytes,
-                "locked": self.pool.locked,
-            },
-            "blocks": {"ready": ix.ready_blocks, "pending": ix.pending_blocks,
-                       "pinned": ix.pinned_blocks, "leases": ix.leases},
-            "clients": [
-                {"id": cl.id, "pid": cl.pid, "name": cl.name, "rank": cl.rank,
-                 "tenant": cl.tenant.id if cl.tenant else None, "inflight": cl.inflight,
-                 "requests": cl.requests}
-                for cl in self.clients.values()
-            ],
-            "tenants": [
-                {"id": t.id, "digest": t.digest, "model": t.model, "tp_size": t.tp_size,
-                 "slot_bytes": t.slot_bytes, "blocks": t.blocks,
-                 "bytes": t.blocks * t.slot_bytes, "clients": len(t.clients)}
-                for t in self.tenants
-            ],
-            "transfers": {"inflight": self.inflight},
-            **self.extra_status(),
-            "counters": {
-                "requests": self.counters.requests, "errors": self.counters.errors,
-                "lookups": c.lookups, "lookup_keys": c.lookup_keys,
-                "hit_blocks": c.hit_blocks, "stored_blocks": c.stored_blocks,
-                "stored_bytes": self.counters.stored_bytes,
-                "loaded_blocks": self.counters.loaded_blocks,
-                "loaded_bytes": self.counters.loaded_bytes,
-                "evicted_blocks": c.evicted_blocks, "failed_stores": c.failed_stores,
-                "failed_transfers": self.counters.failed_transfers,
-                "corrupt_blocks": self.counters.corrupt_blocks,
-                "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
-                "no_space": c.no_space,
-                "lookup_tokens": self.counters.lookup_tokens,
-                "hit_tokens": self.counters.hit_tokens,
-                "errors_by_code": dict(self.counters.by_code),
-            },
-        }
+        return status_document(self)

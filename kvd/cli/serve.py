@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefault", dest="prefault", action="store_const", const=False,
                    help="do not fault the pool in at start")
     s.add_argument("--mlock", action="store_const", const=True, help="lock the pool in RAM")
+    s.add_argument("--persist", action="store_const", const=True,
+                   help="keep the pool and an index journal across restarts (warm restart)")
+    s.add_argument("--verify-on-load", dest="verify_on_load", action="store_const",
+                   const=True, help="check each block's xxh3 before loading it")
     s.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="Prometheus endpoint port, 0 disables (KVD_METRICS_PORT; default 9727)")
     s.add_argument("--metrics-addr", metavar="ADDR",

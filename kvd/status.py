@@ -1,0 +1,80 @@
+"""The status document: what ``kvdctl status --json``, metrics and STATUS= lines read.
+
+Built on the loop from the service's state; the schema only grows (keys are added, never
+renamed), like the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from kvd_proto import messages as m
+
+if TYPE_CHECKING:
+    from kvd.service import Service
+
+
+def status_document(svc: Service) -> dict:
+    ix, alloc = svc.index, svc.index.allocator
+    c = ix.counters
+    return {
+        "version": m.PROTOCOL_VERSION,
+        "instance": svc.instance,
+        "pid": os.getpid(),
+        "uptime_s": round(time.time() - svc.started, 3),
+        "policy": svc.policy_name,
+        "pool": {
+            "path": svc.pool.path,
+            "capacity_bytes": alloc.capacity_bytes,
+            "used_bytes": alloc.used_bytes,
+            "extent_bytes": alloc.extent_bytes,
+            "locked": svc.pool.locked,
+        },
+        "blocks": {"ready": ix.ready_blocks, "pending": ix.pending_blocks,
+                   "pinned": ix.pinned_blocks, "leases": ix.leases},
+        "clients": [
+            {"id": cl.id, "pid": cl.pid, "name": cl.name, "rank": cl.rank,
+             "tenant": cl.tenant.id if cl.tenant else None, "inflight": cl.inflight,
+             "requests": cl.requests}
+            for cl in svc.clients.values()
+        ],
+        "tenants": [
+            {"id": t.id, "digest": t.digest, "model": t.model, "tp_size": t.tp_size,
+             "slot_bytes": t.slot_bytes, "blocks": t.blocks,
+             "bytes": t.blocks * t.slot_bytes, "clients": len(t.clients)}
+            for t in svc.tenants
+        ],
+        "transfers": {"inflight": svc.inflight},
+        "persistence": _persistence(svc),
+        **svc.extra_status(),
+        "counters": {
+            "requests": svc.counters.requests, "errors": svc.counters.errors,
+            "lookups": c.lookups, "lookup_keys": c.lookup_keys,
+            "hit_blocks": c.hit_blocks, "stored_blocks": c.stored_blocks,
+            "stored_bytes": svc.counters.stored_bytes,
+            "loaded_blocks": svc.counters.loaded_blocks,
+            "loaded_bytes": svc.counters.loaded_bytes,
+            "evicted_blocks": c.evicted_blocks, "failed_stores": c.failed_stores,
+            "failed_transfers": svc.counters.failed_transfers,
+            "corrupt_blocks": svc.counters.corrupt_blocks,
+            "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
+            "no_space": c.no_space,
+            "lookup_tokens": svc.counters.lookup_tokens,
+            "hit_tokens": svc.counters.hit_tokens,
+            "errors_by_code": dict(svc.counters.by_code),
+        },
+    }
+
+
+def _persistence(svc: Service) -> dict:
+    p = svc.persist
+    if p is None:
+        return {"enabled": False}
+    r = p.recovery
+    return {"enabled": True, "journal": p.path,
+            "journal_bytes": p.journal.bytes if p.journal else 0,
+            "restored_blocks": r.restored, "corrupt_dropped": r.corrupt,
+            "unplaceable": r.unplaceable, "restore_s": round(r.seconds, 3),
+            "discarded": r.discarded}
