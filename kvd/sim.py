@@ -23,6 +23,7 @@ from kvd.core.policies.heap import KeyHeap
 from kvd.core.tenants import Tenants
 
 SLOT_BYTES = 4096  # the simulator moves no bytes; one minimal slot per block
+EXTENT_SLOTS = 256  # at most, per extent: many, as in the daemon (64 MiB extents)
 BELADY = "belady"
 NEVER = 1 << 62
 
@@ -114,8 +115,10 @@ def next_uses(trace: Trace) -> list[int]:
     return nxt
 
 
-def replay(trace: Trace, capacity: int, policy: str) -> SimResult:
-    """Replay ``trace`` through a fresh Index of ``capacity`` blocks."""
+def replay(trace: Trace, capacity: int, policy: str, eager: bool = False) -> SimResult:
+    """Replay ``trace`` through a fresh Index of ``capacity`` blocks. ``eager`` tells
+    the policy about each lookup's hits at once (the index defers them; a test checks
+    that this changes nothing)."""
     tenants = Tenants()
     tenant = tenants.get_or_create("sim", model="sim", tp_size=1, rank_page_bytes=(SLOT_BYTES,))
     pol: EvictionPolicy
@@ -125,11 +128,16 @@ def replay(trace: Trace, capacity: int, policy: str) -> SimResult:
     else:
         pol = make_policy(policy, capacity)
         begin = None
-    index = Index(Allocator(capacity * SLOT_BYTES, SLOT_BYTES, SLOT_BYTES), pol)
+    # Extents of a divisor of ``capacity`` slots, so the pool holds exactly ``capacity``
+    # blocks. With one size class the geometry changes no decision, only the speed.
+    per = max(d for d in range(1, min(EXTENT_SLOTS, capacity) + 1) if capacity % d == 0)
+    index = Index(Allocator(capacity * SLOT_BYTES, per * SLOT_BYTES, SLOT_BYTES), pol)
     lookup, allocate, store_done = index.lookup, index.allocate, index.store_done
-    # The index may defer telling the policy about hits; Belady must hear them while
-    # its offset still points at the request that made them.
-    flush = getattr(index, "flush", None) if begin is not None else None
+    # The index defers telling the policy about hits to its next mutating call, which
+    # changes no decision (the calls reach the policy in the same order), but Belady
+    # reads the simulator's cursor, so it must hear them while ``begin`` still points
+    # at the request that made them: a full hit makes no mutating call.
+    flush = index.flush if begin is not None or eager else None
     offset = 0
     t0 = time.perf_counter()
     for keys in trace.requests:

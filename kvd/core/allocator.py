@@ -4,10 +4,15 @@ The pool is cut into extents of ``extent_bytes``. An extent serves one size clas
 slot size) at a time; when its last slot is freed it returns to the free list and can
 serve another class. A slot id is ``extent * slots_per_extent_max + index`` so ids are
 dense and byte offsets are computed with numpy for whole batches.
+
+Each size class counts the free slots of its extents, so ``free_slots`` is O(1) on the
+allocate path; ``alloc_many`` / ``free_many`` serve a whole request in one call (the
+index allocates and evicts in runs, and a call per slot was most of its cost).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +28,7 @@ class _SizeClass:
     per_extent: int
     partial: set[int] = field(default_factory=set)  # extents with a free slot
     extents: set[int] = field(default_factory=set)
+    free: int = 0  # free slots in ``extents`` (those of ``partial``)
 
 
 class Allocator:
@@ -69,8 +75,12 @@ class Allocator:
     def free_slots(self, slot_bytes: int) -> int:
         """Slots of this size that can be allocated without evicting anything."""
         sc = self._class(slot_bytes)
-        partial = sum(len(self._extent_free[e]) for e in sc.partial)
-        return partial + len(self._free_extents) * sc.per_extent
+        return sc.free + len(self._free_extents) * sc.per_extent
+
+    @property
+    def size_classes(self) -> int:
+        """Size classes seen so far (never shrinks): with one, every slot has its size."""
+        return len(self._classes)
 
     def total_slots(self, slot_bytes: int) -> int:
         return self.n_extents * self._class(slot_bytes).per_extent
@@ -78,25 +88,48 @@ class Allocator:
     # ------------------------------------------------------------ alloc / free
     def alloc(self, slot_bytes: int) -> int | None:
         """One slot of this size, or None when the pool has no room for it."""
+        got = self.alloc_many(slot_bytes, 1)
+        return got[0] if got else None
+
+    def alloc_many(self, slot_bytes: int, n: int) -> list[int]:
+        """Up to ``n`` slots of this size, fewer when the pool runs out of room.
+
+        The same slots, in the same order, as ``n`` calls of ``alloc``."""
         sc = self._class(slot_bytes)
-        if sc.partial:
-            e = next(iter(sc.partial))
-        elif self._free_extents:
+        out: list[int] = []
+        spm, used, ext_free = self.slots_per_extent_max, self._extent_used, self._extent_free
+        while len(out) < n:
+            if sc.partial:
+                e = next(iter(sc.partial))
+            elif self._free_extents:
+                e = self._take_extent(sc)
+            else:
+                break
+            free = ext_free[e]
+            take = min(len(free), n - len(out))
+            base = e * spm
+            out.extend([base + i for i in free[:-take - 1:-1]])  # popped from the end
+            del free[-take:]
+            if not free:
+                sc.partial.discard(e)
+            used[e] += take
+            sc.free -= take
+        self.used_bytes += slot_bytes * len(out)
+        self.used_slots += len(out)
+        return out
+
+    def _take_extent(self, sc: _SizeClass, e: int | None = None) -> int:
+        """Give a free extent (the next one, or ``e``) to size class ``sc``."""
+        if e is None:
             e = self._free_extents.pop()
-            self._extent_class[e] = sc
-            self._extent_free[e] = list(range(sc.per_extent - 1, -1, -1))
-            sc.extents.add(e)
-            sc.partial.add(e)
         else:
-            return None
-        free = self._extent_free[e]
-        i = free.pop()
-        if not free:
-            sc.partial.discard(e)
-        self._extent_used[e] += 1
-        self.used_bytes += slot_bytes
-        self.used_slots += 1
-        return e * self.slots_per_extent_max + i
+            self._free_extents.remove(e)
+        self._extent_class[e] = sc
+        self._extent_free[e] = list(range(sc.per_extent - 1, -1, -1))
+        sc.extents.add(e)
+        sc.partial.add(e)
+        sc.free += sc.per_extent
+        return e
 
     def claim(self, slot: int, slot_bytes: int) -> bool:
         """Allocate this exact slot (restoring a pool after a restart); False when the
@@ -110,11 +143,7 @@ class Allocator:
         if self._extent_class[e] is None:
             if e not in self._free_extents:
                 return False
-            self._free_extents.remove(e)
-            self._extent_class[e] = sc
-            self._extent_free[e] = list(range(sc.per_extent - 1, -1, -1))
-            sc.extents.add(e)
-            sc.partial.add(e)
+            self._take_extent(sc, e)
         elif self._extent_class[e] is not sc:
             return False
         free = self._extent_free[e]
@@ -124,28 +153,41 @@ class Allocator:
             return False
         if not free:
             sc.partial.discard(e)
+        sc.free -= 1
         self._extent_used[e] += 1
         self.used_bytes += slot_bytes
         self.used_slots += 1
         return True
 
     def free(self, slot: int) -> None:
-        e, i = divmod(slot, self.slots_per_extent_max)
-        sc = self._extent_class[e]
-        assert sc is not None and self._extent_used[e] > 0, f"slot {slot} is not allocated"
-        self._extent_used[e] -= 1
-        self.used_bytes -= sc.slot_bytes
-        self.used_slots -= 1
-        if self._extent_used[e] == 0:
-            # The extent is empty: give it back so any size class can take it.
-            sc.partial.discard(e)
-            sc.extents.discard(e)
-            self._extent_class[e] = None
-            self._extent_free[e] = []
-            self._free_extents.append(e)
-            return
-        self._extent_free[e].append(i)
-        sc.partial.add(e)
+        self.free_many((slot,))
+
+    def free_many(self, slots: Iterable[int]) -> None:
+        """Return slots (each allocated, none twice); the same as ``free`` on each."""
+        spm, ext_class, used, ext_free = (self.slots_per_extent_max, self._extent_class,
+                                          self._extent_used, self._extent_free)
+        n = nbytes = 0
+        for slot in slots:
+            e, i = divmod(slot, spm)
+            sc = ext_class[e]
+            assert sc is not None and used[e] > 0, f"slot {slot} is not allocated"
+            n += 1
+            nbytes += sc.slot_bytes
+            left = used[e] = used[e] - 1
+            if left:
+                ext_free[e].append(i)
+                sc.partial.add(e)
+                sc.free += 1
+            else:
+                # The extent is empty: give it back so any size class can take it.
+                sc.partial.discard(e)
+                sc.extents.discard(e)
+                sc.free -= sc.per_extent - 1
+                ext_class[e] = None
+                ext_free[e] = []
+                self._free_extents.append(e)
+        self.used_bytes -= nbytes
+        self.used_slots -= n
 
     # ------------------------------------------------------------ addresses
     def slot_bytes_of(self, slot: int) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from kvd.core.tenants import Tenant
 
 FREE, PENDING, READY = 0, 1, 2
 NO_SLOT = 0xFFFFFFFF
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -39,14 +41,15 @@ class AllocateResult:
     evicted_total: int = 0  # blocks of any tenant evicted
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Pending:
+    """One ``allocate`` call's PENDING blocks share this (one object per call, not per
+    block); each block's depth is in ``Index._depth``, its checksums in ``_sums``."""
+
     owner: int
     deadline: float
-    depth: int
     tenant: Tenant
     length: int = 0  # depth of the end of the allocating request's chain
-    checksums: list[int] | None = None  # per rank, as the copies report them
 
 
 @dataclass
@@ -81,10 +84,13 @@ class Index:
         self.pins = np.zeros(n, dtype=np.int32)
         self.tenant_of = np.zeros(n, dtype=np.uint32)
         self.rank_mask = np.zeros(n, dtype=np.uint64)
+        self._depth = np.zeros(n, dtype=np.int64)  # of PENDING and READY blocks
         self._slot_key: dict[int, bytes] = {}
         self._slot_tenant: dict[int, Tenant] = {}
         self._pending: dict[int, _Pending] = {}
+        self._sums: dict[int, list[int]] = {}  # PENDING slot -> per-rank checksums so far
         self._doomed: set[int] = set()  # PENDING slots to free once unpinned
+        self._pin_calls = 0  # pin calls not yet unpinned: at zero no slot is pinned
         self._leases: dict[int, Lease] = {}
         self._next_lease = 1
         self._spaces: dict[int, dict[bytes, int]] = {}  # tenant id -> key -> slot
@@ -133,6 +139,8 @@ class Index:
             present = found.index(None)
         except ValueError:
             present = len(found)
+        if not present:  # a miss on the first key: no numpy work
+            return 0, _NO_SLOTS[:0], 0, 0
         slots = np.fromiter(found, dtype=np.int64, count=present)
         states = self.state[slots]
         not_ready = np.flatnonzero(states != READY)
@@ -185,9 +193,11 @@ class Index:
     # faster than np.add.at); both sides do the same, so counts stay balanced.
     def pin(self, slots: np.ndarray) -> None:
         self.pins[slots] += 1
+        self._pin_calls += 1
 
     def unpin(self, slots: np.ndarray) -> None:
         self.pins[slots] -= 1
+        self._pin_calls -= 1
         if self._doomed:
             for s in [int(s) for s in slots if int(s) in self._doomed]:
                 if self.pins[s] == 0:
@@ -223,30 +233,32 @@ class Index:
         answered = len(keys)
         deadline = now + pending_s
         length = depth + len(keys)
-        entries, slot_key, slot_tenant = self.entries, self._slot_key, self._slot_tenant
-        pending, alloc, slot_bytes = self._pending, self.allocator.alloc, tenant.slot_bytes
-        got: list[int] = []
-        for i in new:
-            slot = alloc(slot_bytes)
-            if slot is None:
-                answered = i
-                self.counters.no_space += 1
-                break
-            ns[keys[i]] = slot
-            key = pfx + keys[i]
-            entries[key] = slot
-            slot_key[slot] = key
-            slot_tenant[slot] = tenant
-            pending[slot] = _Pending(owner, deadline, depth + i, tenant, length)
-            slots[i] = slot
-            got.append(slot)
-        if got:
+        got = self.allocator.alloc_many(tenant.slot_bytes, len(new))
+        if len(got) < len(new):
+            answered = new[len(got)]
+            self.counters.no_space += 1
+            del new[len(got):]
+        if got:  # dict updates and one numpy call per array, not a loop per slot
+            fresh = len(new) == len(keys)  # the usual case: nothing stored yet
+            plain = list(keys[:len(got)]) if fresh else [keys[i] for i in new]
+            scoped = [pfx + k for k in plain]
+            ns.update(zip(plain, got))
+            self.entries.update(zip(scoped, got))
+            self._slot_key.update(zip(got, scoped))
+            self._slot_tenant.update(dict.fromkeys(got, tenant))
+            self._pending.update(dict.fromkeys(got, _Pending(owner, deadline, tenant, length)))
+            if fresh:
+                slots = got + slots[len(got):]
+            else:
+                for i, slot in zip(new, got):
+                    slots[i] = slot
             self._count(self.pending_by, owner, len(got))
-        if got:  # one numpy call per array, not one per slot
             arr = np.array(got, dtype=np.int64)
             self.state[arr] = PENDING
             self.tenant_of[arr] = tenant.id
             self.rank_mask[arr] = 0
+            self._depth[arr] = (np.arange(depth, depth + len(got)) if fresh
+                                else np.array(new, dtype=np.int64) + depth)
         return AllocateResult(slots[:answered], evicted, answered, total)
 
     def store_done(self, slots: np.ndarray, rank: int,
@@ -258,38 +270,58 @@ class Index:
         self.flush()
         bit = np.uint64(1 << rank)
         s = slots.astype(np.int64, copy=False)
-        live = self.state[s] == PENDING
-        s = s[live]
-        sums = (None if checksums is None  # python ints: 64-bit hashes overflow int64
-                else [c for c, ok in zip(checksums, live.tolist()) if ok])
+        live = self.state[s] == PENDING  # so never doomed: those are FREE
+        if not live.all():
+            s = s[live]
         self.rank_mask[s] |= bit
-        pending, doomed, insert = self._pending, self._doomed, self.policy.insert
-        now_ready: list[int] = []
-        for i, (slot, mask) in enumerate(zip(s.tolist(), self.rank_mask[s].tolist())):
-            p = pending.get(slot)
-            if p is None or slot in doomed:
-                continue
-            if sums is not None:
-                if p.checksums is None:
-                    p.checksums = [0] * p.tenant.tp_size
-                p.checksums[rank] = sums[i]
-            if mask == p.tenant.full_mask:
+        order, pending = s.tolist(), self._pending
+        if checksums is not None:  # python ints: 64-bit hashes overflow int64
+            sums, tp = self._sums, self._pending
+            for slot, c in zip(order, [c for c, ok in zip(checksums, live.tolist()) if ok]):
+                if slot not in sums:
+                    sums[slot] = [0] * tp[slot].tenant.tp_size
+                sums[slot][rank] = c
+        ready: list[int] = []
+        owners: list[_Pending] = []
+        for slot, mask in zip(order, self.rank_mask[s].tolist()):
+            p = pending.get(slot)  # None when the slot repeats in ``slots``
+            if p is not None and mask == p.tenant.full_mask:
                 del pending[slot]
-                self._count(self.pending_by, p.owner, -1)
-                now_ready.append(slot)
-                p.tenant.blocks += 1
-                key = self._slot_key[slot]
-                insert(key, p.depth, length=p.length)
-                if p.checksums is not None:
-                    self.checksums[slot] = p.checksums
-                if self.record:
-                    self.events.append(("commit", p.tenant.id, key[4:], slot, p.depth,
-                                        p.checksums or []))
-        ready = len(now_ready)
+                ready.append(slot)
+                owners.append(p)
         if ready:
-            self.state[np.array(now_ready, dtype=np.int64)] = READY
-        self.counters.stored_blocks += ready
-        return ready
+            arr = np.array(ready, dtype=np.int64)
+            self.state[arr] = READY
+            self._commit(ready, owners, self._depth[arr].tolist())
+        self.counters.stored_blocks += len(ready)
+        return len(ready)
+
+    def _commit(self, slots: list[int], owners: list[_Pending], depths: list[int]) -> None:
+        """Hand newly READY blocks to the policy, a run (one allocate call, consecutive
+        depths) per ``insert_many``: one call per request, not one per block."""
+        keys = list(map(self._slot_key.__getitem__, slots))
+        n, start = len(slots), 0
+        while start < n:
+            p, d0 = owners[start], depths[start]
+            end = start + 1
+            if start == 0 and owners.count(p) == n and depths == list(range(d0, d0 + n)):
+                end = n  # the usual case, one run: checked at C speed
+            else:
+                while end < n and owners[end] is p and depths[end] == d0 + end - start:
+                    end += 1
+            self.policy.insert_many(keys[start:end], d0, p.length)
+            p.tenant.blocks += end - start
+            self._count(self.pending_by, p.owner, start - end)
+            start = end
+        if self._sums:
+            for slot in slots:
+                sums = self._sums.pop(slot, None)
+                if sums is not None:
+                    self.checksums[slot] = sums
+        if self.record:
+            sums_of = self.checksums.get
+            self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []))
+                               for p, key, slot, d in zip(owners, keys, slots, depths))
 
     def abort(self, slots: np.ndarray) -> int:
         """Drop PENDING slots (a failed or abandoned store); freed once unpinned."""
@@ -298,6 +330,7 @@ class Index:
         for slot in slots.tolist():
             if slot < len(self.state) and self.state[slot] == PENDING and slot in self._pending:
                 self._count(self.pending_by, self._pending.pop(slot).owner, -1)
+                self._sums.pop(slot, None)
                 self._drop_entry(slot)
                 n += 1
         self.counters.failed_stores += n
@@ -319,6 +352,7 @@ class Index:
         self.state[slot] = READY
         self.tenant_of[slot] = tenant.id
         self.rank_mask[slot] = tenant.full_mask
+        self._depth[slot] = depth
         self.checksums[slot] = list(checksums)
         tenant.blocks += 1
         self.policy.insert(scoped, depth)
@@ -342,7 +376,8 @@ class Index:
         for slot, key in self._slot_key.items():
             if self.state[slot] == READY:
                 t = self._slot_tenant[slot]
-                out.append((t.id, key[4:], slot, 0, self.checksums.get(slot, [])))
+                out.append((t.id, key[4:], slot, int(self._depth[slot]),
+                            self.checksums.get(slot, [])))
         return out
 
     # ------------------------------------------------------------ housekeeping
@@ -395,12 +430,21 @@ class Index:
         want = tenant.slot_bytes
         chosen: list[bytes] = []
         entries, pin_of, bytes_of = self.entries, self.pins.item, self.allocator.slot_bytes_of
-        for key in self.policy.victims():
-            slot = entries[key]
-            if pin_of(slot) == 0 and bytes_of(slot) == want:
-                chosen.append(key)
-                if len(chosen) == need:
-                    break
+        if self.allocator.size_classes == 1 and not self._pin_calls:
+            chosen = list(islice(self.policy.victims(), need))  # any victim will do
+        elif self.allocator.size_classes == 1:  # every READY block has this size
+            for key in self.policy.victims():
+                if pin_of(entries[key]) == 0:
+                    chosen.append(key)
+                    if len(chosen) == need:
+                        break
+        else:
+            for key in self.policy.victims():
+                slot = entries[key]
+                if pin_of(slot) == 0 and bytes_of(slot) == want:
+                    chosen.append(key)
+                    if len(chosen) == need:
+                        break
         n = self._evict_keys(chosen, tenant, out)
         # Still short: empty whole extents of other size classes, in policy order.
         while self.allocator.free_slots(want) < n_new and len(self.policy):
@@ -421,40 +465,50 @@ class Index:
         pfx = tenant.prefix
         entries = self.entries
         slots = [entries[key] for key in keys]
-        deque(map(self.policy.evicted, keys), maxlen=0)
+        self.policy.evicted_many(keys)
         out.extend([key[4:] for key in keys if key[:4] == pfx])
-        self._drop_entries(slots)
+        self._drop_entries(slots, victims=True)
         self.counters.evicted_blocks += len(keys)
         return len(keys)
 
-    def _drop_entries(self, slots: list[int]) -> None:
-        """``_drop_entry`` for many slots, with one numpy call per array."""
+    def _drop_entries(self, slots: list[int], victims: bool = False) -> None:
+        """``_drop_entry`` for many slots, with one numpy call per array. ``victims``:
+        the slots are READY and unpinned (eviction checked), so no need to look."""
         if not slots:
             return
         arr = np.array(slots, dtype=np.int64)
-        ready = (self.state[arr] == READY).tolist()
-        pinned = (self.pins[arr] > 0).tolist()
-        entries, slot_key, slot_tenant = self.entries, self._slot_key, self._slot_tenant
-        spaces, record = self._spaces, self.record
-        for slot, is_ready in zip(slots, ready):
-            key = slot_key.pop(slot)
-            del entries[key]
-            t = slot_tenant.pop(slot)
-            del spaces[t.id][key[4:]]
-            if is_ready:
-                t.blocks -= 1
-                self.checksums.pop(slot, None)
-                if record:
-                    self.events.append(("drop", slot))
+        if victims:
+            ready = pinned = None
+        else:
+            ready = self.state[arr] == READY
+            pinned = self.pins[arr] > 0
+        keys = list(map(self._slot_key.pop, slots))
+        deque(map(self.entries.__delitem__, keys), maxlen=0)
+        tenants = list(map(self._slot_tenant.pop, slots))
+        plain = [key[4:] for key in keys]
+        is_ready = [True] * len(slots) if ready is None else ready.tolist()
+        if tenants.count(tenants[0]) == len(tenants):  # one tenant, the usual case
+            deque(map(self._spaces[tenants[0].id].__delitem__, plain), maxlen=0)
+            tenants[0].blocks -= is_ready.count(True)
+        else:
+            for t, key, r in zip(tenants, plain, is_ready):
+                del self._spaces[t.id][key]
+                t.blocks -= r
+        if self.checksums or self.record:
+            for slot, r in zip(slots, is_ready):
+                if r:
+                    self.checksums.pop(slot, None)
+                    if self.record:
+                        self.events.append(("drop", slot))
         self.state[arr] = FREE
-        free = [s for s, p in zip(slots, pinned) if not p]
-        if len(free) < len(slots):
-            self._doomed.update(s for s, p in zip(slots, pinned) if p)  # copies in flight
-        if free:
-            farr = np.array(free, dtype=np.int64)
-            self.rank_mask[farr] = 0
-            self.tenant_of[farr] = 0
-            deque(map(self.allocator.free, free), maxlen=0)
+        free = slots
+        if pinned is not None and pinned.any():  # copies in flight: freed once unpinned
+            self._doomed.update(arr[pinned].tolist())
+            arr = arr[~pinned]
+            free = arr.tolist()
+        self.rank_mask[arr] = 0
+        self.tenant_of[arr] = 0
+        self.allocator.free_many(free)
 
     def _drop_entry(self, slot: int) -> None:
         key = self._slot_key.pop(slot)

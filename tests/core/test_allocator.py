@@ -65,3 +65,26 @@ def test_accounting_is_exact(ops):
     for slot in list(live):
         a.free(slot)
     assert a.used_bytes == 0 and a.free_slots(4096) == a.total_slots(4096)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1024, 4096]), st.integers(1, 40), st.booleans()),
+                max_size=40))
+def test_alloc_many_and_free_many_equal_the_single_calls(ops):
+    """The batch calls hand out the same slots as one call per slot."""
+    a, b = Allocator(6 * EXTENT, EXTENT, 1024), Allocator(6 * EXTENT, EXTENT, 1024)
+    live: list[int] = []
+    for size, n, free in ops:
+        if free and live:
+            gone, live = live[:n], live[n:]
+            a.free_many(gone)
+            for s in gone:
+                b.free(s)
+        else:
+            got = a.alloc_many(size, n)
+            one = [b.alloc(size) for _ in range(n)]
+            assert got == [s for s in one if s is not None]
+            live += got
+        assert (a.used_bytes, a.used_slots) == (b.used_bytes, b.used_slots)
+        assert a.free_slots(size) == b.free_slots(size)
+        assert a.free_slots(4096) + a.used_bytes // 4096 <= a.total_slots(4096)

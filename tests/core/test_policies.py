@@ -179,3 +179,44 @@ def test_chain_evicts_a_chain_tail_before_its_head() -> None:
     assert list(policy.victims()) == keys[::-1]
     policy.touch(keys[:2], 0)  # hit blocks outlive never-hit ones
     assert list(policy.victims())[:2] == [keys[3], keys[2]]
+
+
+# ---------------------------------------------------------------- batch calls
+RUNS = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 4)),
+                min_size=1, max_size=20)  # (depth, run length, victims to evict after)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=40, deadline=None)
+@given(runs=RUNS, capacity=st.integers(2, 12))
+def test_insert_many_and_evicted_many_equal_the_single_calls(
+        name: str, runs: list, capacity: int) -> None:
+    """The batch calls the index makes decide exactly as the one-key calls would."""
+    batch, single = make_policy(name, capacity), make_policy(name, capacity)
+    fresh = iter(range(10**6))
+    for depth, n, evict in runs:
+        keys = [next(fresh).to_bytes(8, "little") for _ in range(n)]
+        batch.insert_many(keys, depth, depth + n)
+        for i, key in enumerate(keys):
+            single.insert(key, depth + i, depth + n)
+        assert list(batch.victims()) == list(single.victims())
+        gone = list(batch.victims())[:evict]
+        batch.evicted_many(gone)
+        for key in gone:
+            single.evicted(key)
+        assert list(batch.victims()) == list(single.victims())
+        if len(gone) < len(list(batch.victims())):  # a hit on the oldest live chain
+            run = list(batch.victims())[-2:]
+            batch.touch(run, 0)
+            single.touch(run, 0)
+
+
+def test_runheap_offers_each_key_once_even_if_pushed_twice() -> None:
+    from kvd.core.policies.runheap import RunHeap
+
+    heap = RunHeap()
+    heap.push_run([b"a", b"b", b"a"], 1.0)
+    heap.push_run([b"c"], 0.5)
+    heap.push_run([b"b"], 0.1)  # moves b to an earlier entry
+    assert list(heap.ordered()) == [b"b", b"c", b"a"]
+    assert heap.discard_many([b"c", b"a"]) == 1.0 and list(heap.ordered()) == [b"b"]

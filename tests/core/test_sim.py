@@ -98,3 +98,15 @@ def test_cli_rejects_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFix
     path = _write(tmp_path, TINY)
     assert _run(["simulate", path, "--capacity", "4", "--policy", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().out
+
+
+@settings(max_examples=25, deadline=None)
+@given(trace=TRACES, capacity=st.integers(1, 20))
+def test_deferred_touches_change_no_decision(trace: list[list[int]], capacity: int) -> None:
+    """The index tells the policy about hits at the next mutating call; for every
+    online policy that gives the same result as telling it at once. (Belady flushes
+    in the simulator only because it reads the simulator's cursor, not its calls.)"""
+    t = make_trace(trace)
+    for name in policy_names():
+        assert replay(t, capacity, name).hit_blocks == replay(t, capacity, name,
+                                                              eager=True).hit_blocks

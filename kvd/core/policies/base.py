@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 from typing import ClassVar
 
@@ -18,12 +19,15 @@ class EvictionPolicy(ABC):
       position in its request's prefix chain (0 = first block), ``length`` the length
       of the chain that stored it (0 when unknown). A key is never inserted twice
       without a ``remove``/``evicted`` in between.
+    - ``insert_many(keys, depth, length)`` is ``insert(keys[i], depth + i, length)`` for
+      each key in order (the index hands a request's run over in one call); policies
+      override it only to do the same work faster.
     - ``touch(keys, depth)`` on a hit, keys in prefix order, ``keys[0]`` at ``depth``.
       Only keys currently inserted are passed.
     - ``victims()`` yields inserted keys, best victim first, without changing state.
       The caller may skip keys it cannot evict (pinned) and stops early; it must not
       call other methods while iterating.
-    - ``evicted(key)`` after the caller evicted a key that ``victims()`` offered;
+    - ``evicted(key)`` (or ``evicted_many(keys)``, the same for each in order) after the caller evicted a key that ``victims()`` offered;
       ``remove(key)`` when a key leaves for another reason (flush, failed checksum).
     - ``capacity`` is the cache size in blocks; ``set_capacity`` may change it.
     - No I/O, no clock: the same calls give the same decisions (the simulator relies
@@ -37,6 +41,11 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def insert(self, key: Key, depth: int = 0, length: int = 0) -> None: ...
+
+    def insert_many(self, keys: Sequence[Key], depth: int = 0, length: int = 0) -> None:
+        insert = self.insert
+        for i, key in enumerate(keys):
+            insert(key, depth + i, length)
 
     @abstractmethod
     def touch(self, keys: Sequence[Key], depth: int = 0) -> None: ...
@@ -52,6 +61,11 @@ class EvictionPolicy(ABC):
 
     def evicted(self, key: Key) -> None:
         self.remove(key)
+
+    def evicted_many(self, keys: Sequence[Key]) -> None:
+        """``evicted`` on each key in order (the index evicts a request's worth at once);
+        policies override it only to do the same work faster."""
+        deque(map(self.evicted, keys), maxlen=0)
 
     def set_capacity(self, capacity: int) -> None:
         self.capacity = max(1, capacity)

@@ -16,10 +16,10 @@ matter) or not; the length factor ``length / (LONG * mean length)`` (at most 1)
 favours long prompts (documents, agent contexts), reused far more often than short
 chats. Both adapt, so neither the workload mix nor the block size is baked in.
 
-Ties go to the deepest block, so a chain loses its tail before its head (a hit needs
-every earlier block: a lost head wastes the whole chain).
-
-O(log n) per insert, hit and victim (a lazily invalidated heap); reads no clock.
+A run of blocks (one request's stores, or its hit blocks) shares one priority, and
+ties go to the deepest block, so a chain loses its tail before its head (a hit needs
+every earlier block: a lost head wastes the whole chain). The heap holds one entry per
+run (``RunHeap``): O(log n) per request plus O(1) per block; reads no clock.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from kvd.core.policies.base import EvictionPolicy, Key
-from kvd.core.policies.heap import KeyHeap
+from kvd.core.policies.runheap import RunHeap
 
 REUSED = 10.0  # value of a block that was hit
 LONG = 2.0  # never-hit blocks of chains this many times the mean length get full odds
 HORIZON = 1.0  # capacities of stores and hits that age a block by one unit of value
+GHOST = 1.0  # evicted keys remembered, in capacities
 WINDOW = 20_000  # blocks per kind over which the reuse odds adapt
-MEAN_WINDOW = 4096  # stores over which the mean chain length adapts
+MEAN_WINDOW = 4096  # blocks stored over which the mean chain length adapts
 FRESH, NEXT, HIT = 0, 1, 2  # kinds: new chain, stored right after a hit on it, hit
 
 
@@ -43,10 +44,11 @@ class ChainPolicy(EvictionPolicy):
     reused = REUSED
     long = LONG
     horizon = HORIZON
+    ghost = GHOST
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._heap = KeyHeap()
+        self._heap = RunHeap()
         self._kind: dict[Key, int] = {}
         self._ghost: OrderedDict[Key, int] = OrderedDict()  # evicted key -> its kind
         self._floor = 0.0  # GreedyDual's L, net of age
@@ -57,16 +59,12 @@ class ChainPolicy(EvictionPolicy):
         self._mean_len = 0.0
         self._seen = 0
         self._hit_end = -1  # depth just past the last hit run
-        self._last_depth = -2  # of the last store, to see where a run of stores ends
+        self._next_depth = -1  # where the current run of stores would continue
         self._run_len = -1
         self._run_kind = FRESH
         self._run_base = self._run_prio = 0.0
 
     # ------------------------------------------------------------ learning
-    def _enter(self, key: Key, kind: int) -> None:
-        self._kind[key] = kind
-        self._count(kind, 1)
-
     def _count(self, kind: int, n: int) -> None:
         entered = self._entered
         entered[kind] += n
@@ -80,31 +78,48 @@ class ChainPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------ updates
     def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
-        self._age += self._tick
-        if length > 0:
-            if self._seen < MEAN_WINDOW:
-                self._seen += 1
-            self._mean_len += (length - self._mean_len) / self._seen
-        if depth != self._last_depth + 1 or length != self._run_len:
+        self.insert_many((key,), depth, length)
+
+    def insert_many(self, keys: Sequence[Key], depth: int = 0, length: int = 0) -> None:
+        """One run of stores; ``insert`` of each key in turn does exactly the same."""
+        n = len(keys)
+        if not n:
+            return
+        if depth != self._next_depth or length != self._run_len:
             self._start_run(depth, length)
-        self._last_depth = depth
-        was = self._ghost.pop(key, None)
-        if was is None:
-            self._enter(key, self._run_kind)
-            prio = self._run_prio
-        else:
-            self._again[was] += 1.0
-            self._enter(key, HIT)
+        self._next_depth = depth + n
+        self._age += n * self._tick
+        ghost = self._ghost
+        if ghost and any(map(ghost.__contains__, keys)):
+            # Stored again soon after its eviction: it was reused, as a hit is.
+            back = [k for k in keys if k in ghost]
+            again = self._again
+            for key in back:
+                again[ghost.pop(key)] += 1.0
+            self._count(HIT, len(back))
+            self._kind.update(dict.fromkeys(back, HIT))
             prio = self._run_base + self.reused
-        self._heap.push(key, prio, -depth)
+            for i, key in enumerate(keys):  # each its own entry, in the run's order
+                if self._kind.get(key) == HIT and key in back:
+                    self._heap.push_run((key,), prio, -depth - i, new=True)
+            keys = [k for k in keys if k not in back]
+        if keys:
+            self._count(self._run_kind, len(keys))
+            self._kind.update(dict.fromkeys(keys, self._run_kind))
+            self._heap.push_run(keys, self._run_prio, -depth - n, new=True)
 
     def _start_run(self, depth: int, length: int) -> None:
-        """A run of stores shares one priority, so its blocks leave deepest first."""
+        """A run of stores shares one priority, so its blocks leave deepest first; all
+        of it is decided here, so a run stored one key at a time gets the same."""
+        if length > depth:  # the mean over blocks: this run stores length - depth
+            w = length - depth
+            self._seen = min(self._seen + w, MEAN_WINDOW)
+            self._mean_len += (length - self._mean_len) * w / self._seen
         # A run that starts where the last hit run ended continues that chain.
         self._run_kind = NEXT if depth == self._hit_end and depth > 0 else FRESH
         self._run_len = length
         factor = 1.0 if length <= 0 else min(1.0, length / (self.long * self._mean_len))
-        self._run_base = self._floor + self._age
+        self._run_base = self._floor + self._age + self._tick
         self._run_prio = self._run_base + self.reused * self._odds(self._run_kind) * factor
 
     def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
@@ -118,26 +133,33 @@ class ChainPolicy(EvictionPolicy):
         kind.update(dict.fromkeys(keys, HIT))
         self._count(HIT, n)
         self._hit_end = depth + n
+        self._next_depth = -1
         # One priority for the run; ties go deepest first, so the head goes last.
-        self._heap.push_run(keys, self._floor + self._age + self.reused, -depth)
+        self._heap.push_run(keys, self._floor + self._age + self.reused, -depth - n)
 
     def remove(self, key: Key) -> None:
         self._heap.discard(key)
         self._kind.pop(key, None)
 
     def evicted(self, key: Key) -> None:
-        prio = self._heap.discard(key)
-        if prio is None:
+        if key in self._kind:
+            self.evicted_many((key,))
+
+    def evicted_many(self, keys: Sequence[Key]) -> None:
+        top = self._heap.discard_many(keys)  # from victims(): present, once each
+        if top is None:
             return
-        self._floor = max(self._floor, prio - self._age)
-        self._ghost[key] = self._kind.pop(key)
-        if len(self._ghost) > self.capacity:
-            self._ghost.popitem(last=False)
+        self._floor = max(self._floor, top - self._age)
+        ghost = self._ghost
+        ghost.update(zip(keys, map(self._kind.pop, keys)))
+        limit = self.ghost * self.capacity
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
 
     def set_capacity(self, capacity: int) -> None:
         super().set_capacity(capacity)
         self._tick = 1.0 / (self.horizon * self.capacity)
-        while len(self._ghost) > self.capacity:
+        while len(self._ghost) > self.ghost * self.capacity:
             self._ghost.popitem(last=False)
 
     # ------------------------------------------------------------ queries
