@@ -19,6 +19,8 @@ NO_SLOT = 0xFFFFFFFF  # "no slot": the key is already stored (or was not allocat
 def pack_u32(ids: np.ndarray | Iterable[int]) -> bytes:
     """Pack ids as little-endian uint32 bytes; raises ValueError when one does not fit."""
     arr = np.asarray(ids)
+    if arr.dtype == U32:  # already packed-width: nothing to check or convert
+        return arr.tobytes()
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("id out of uint32 range")
     return arr.astype(U32, copy=False).tobytes()

@@ -9,6 +9,7 @@ Time is passed in (``now``, seconds); the index never reads a clock.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
@@ -94,6 +95,9 @@ class Index:
         self._leases: dict[int, Lease] = {}
         self._next_lease = 1
         self._spaces: dict[int, dict[bytes, int]] = {}  # tenant id -> key -> slot
+        # READY blocks only: a lookup's leading run is then just "found in this map",
+        # with no per-key state check (the 1,000-key lookup is the hot path).
+        self._ready: dict[int, dict[bytes, int]] = {}
         self._touches: list[tuple[list[int], int]] = []  # hits not yet told to the policy
         self.checksums: dict[int, list[int]] = {}  # READY slot -> per-rank xxh3
         self.leased_by: dict[int, int] = {}  # owner -> blocks under its leases (quotas)
@@ -134,25 +138,27 @@ class Index:
         """
         self.counters.lookups += 1
         self.counters.lookup_keys += len(keys)
-        found = list(map(self._spaces.get(tenant.id, {}).get, keys))
+        found = list(map(self._ready.get(tenant.id, {}).get, keys))
         try:
-            present = found.index(None)
+            hits = found.index(None)
         except ValueError:
-            present = len(found)
-        if not present:  # a miss on the first key: no numpy work
-            return 0, _NO_SLOTS[:0], 0, 0
-        slots = np.fromiter(found, dtype=np.int64, count=present)
-        states = self.state[slots]
-        not_ready = np.flatnonzero(states != READY)
-        hits = int(not_ready[0]) if not_ready.size else present
-        rest = states[hits:]
-        not_pending = np.flatnonzero(rest != PENDING)
-        pending = int(not_pending[0]) if not_pending.size else len(rest)
-        hit_slots = slots[:hits]
+            hits = len(found)
+        pending = 0
+        if hits < len(keys):  # how many keys right after the run are being stored
+            ns = self._spaces.get(tenant.id, {})
+            for key in keys[hits:]:
+                slot = ns.get(key)
+                if slot is None or self.state[slot] != PENDING:
+                    break
+                pending += 1
+        if not hits:
+            return 0, _NO_SLOTS[:0], 0, pending
+        del found[hits:]
+        hit_slots = np.frombuffer(array("I", found), dtype=np.uint32)
         lease = 0
         if hits:
             self.counters.hit_blocks += hits
-            self._touches.append((found[:hits], depth))
+            self._touches.append((found, depth))
             if lease_s is not None:
                 self.pin(hit_slots)
                 lease = self._next_lease
@@ -224,6 +230,9 @@ class Index:
         pfx = tenant.prefix
         ns = self._spaces.setdefault(tenant.id, {})
         new = [i for i, k in enumerate(keys) if k not in ns]
+        if len(set(keys)) < len(keys):  # a repeated key gets one slot, at its first place
+            first: dict[bytes, int] = {}
+            new = [i for i in new if first.setdefault(keys[i], i) == i]
         need = len(new) - self.allocator.free_slots(tenant.slot_bytes)
         evicted: list[bytes] = []
         total = 0
@@ -239,7 +248,7 @@ class Index:
             self.counters.no_space += 1
             del new[len(got):]
         if got:  # dict updates and one numpy call per array, not a loop per slot
-            fresh = len(new) == len(keys)  # the usual case: nothing stored yet
+            fresh = len(new) == len(keys)  # the usual case: nothing stored, no repeats
             plain = list(keys[:len(got)]) if fresh else [keys[i] for i in new]
             scoped = [pfx + k for k in plain]
             ns.update(zip(plain, got))
@@ -310,6 +319,8 @@ class Index:
                 while end < n and owners[end] is p and depths[end] == d0 + end - start:
                     end += 1
             self.policy.insert_many(keys[start:end], d0, p.length)
+            ready = self._ready.setdefault(p.tenant.id, {})
+            ready.update(zip([k[4:] for k in keys[start:end]], slots[start:end]))
             p.tenant.blocks += end - start
             self._count(self.pending_by, p.owner, start - end)
             start = end
@@ -347,6 +358,7 @@ class Index:
         scoped = tenant.prefix + key
         self.entries[scoped] = slot
         self._spaces.setdefault(tenant.id, {})[key] = slot
+        self._ready.setdefault(tenant.id, {})[key] = slot
         self._slot_key[slot] = scoped
         self._slot_tenant[slot] = tenant
         self.state[slot] = READY
@@ -488,11 +500,15 @@ class Index:
         plain = [key[4:] for key in keys]
         is_ready = [True] * len(slots) if ready is None else ready.tolist()
         if tenants.count(tenants[0]) == len(tenants):  # one tenant, the usual case
-            deque(map(self._spaces[tenants[0].id].__delitem__, plain), maxlen=0)
+            tid = tenants[0].id
+            deque(map(self._spaces[tid].__delitem__, plain), maxlen=0)
+            ready_map = self._ready.get(tid, {})
+            deque(map(ready_map.pop, plain, [None] * len(plain)), maxlen=0)
             tenants[0].blocks -= is_ready.count(True)
         else:
             for t, key, r in zip(tenants, plain, is_ready):
                 del self._spaces[t.id][key]
+                self._ready.get(t.id, {}).pop(key, None)
                 t.blocks -= r
         if self.checksums or self.record:
             for slot, r in zip(slots, is_ready):
@@ -515,6 +531,7 @@ class Index:
         del self.entries[key]
         t = self._slot_tenant.pop(slot)
         del self._spaces[t.id][key[4:]]
+        self._ready.get(t.id, {}).pop(key[4:], None)
         if self.state[slot] == READY:
             t.blocks -= 1
             self.checksums.pop(slot, None)

@@ -147,3 +147,14 @@ def test_invariants_under_random_operations(policy, ops):
     assert ix.pinned_blocks == 0 and ix.pending_blocks == 0
     assert ix.allocator.used_slots == 0 and ix.allocator.used_bytes == 0
     assert not ix.entries and len(ix.policy) == 0
+
+
+def test_a_repeated_key_in_one_allocate_gets_one_slot():
+    ix, t, _ = make_index()
+    r = ix.allocate(t, [k(1), k(1), k(2)])
+    assert r.slots[1] == NO_SLOT and NO_SLOT not in (r.slots[0], r.slots[2])
+    assert ix.allocator.used_slots == 2
+    ix.store_done(np.array([r.slots[0], r.slots[2]]), 0)
+    assert ix.lookup(t, [k(1), k(2)])[0] == 2
+    ix.evict_tenant(None)
+    assert ix.allocator.used_slots == 0 and not ix.entries
