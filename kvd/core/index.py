@@ -10,19 +10,17 @@ Time is passed in (``now``, seconds); the index never reads a clock.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Sequence
-from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvd.core.allocator import Allocator
+from kvd.core.eviction import Eviction
+from kvd.core.states import FREE, NO_SLOT, PENDING, READY
 from kvd.core.policies.base import EvictionPolicy
 from kvd.core.tenants import Tenant
 
-FREE, PENDING, READY = 0, 1, 2
-NO_SLOT = 0xFFFFFFFF
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
@@ -67,7 +65,7 @@ class IndexCounters:
 
 
 @dataclass
-class Index:
+class Index(Eviction):
     allocator: Allocator
     policy: EvictionPolicy
     # Two maps on purpose: lookups hit the per-tenant map with the keys exactly as they
@@ -420,129 +418,6 @@ class Index:
         self.abort(np.array(stale, dtype=np.int64))
         return len(leases), len(stale)
 
-    def evict_tenant(self, tenant: Tenant | None) -> int:
-        """Admin eviction of READY unpinned blocks (one tenant, or all when None)."""
-        self.flush()
-        victims = [
-            key
-            for key in self.policy.victims()
-            if (slot := self.entries[key]) is not None
-            and self.pins[slot] == 0
-            and (tenant is None or self.tenant_of[slot] == tenant.id)
-        ]
-        for key in victims:
-            self.policy.remove(key)
-            self._drop_entry(self.entries[key])
-        self.counters.evicted_blocks += len(victims)
-        return len(victims)
-
-    # ------------------------------------------------------------ internals
-    def _evict_for(self, tenant: Tenant, need: int, n_new: int, out: list[bytes]) -> int:
-        """Evict up to ``need`` blocks so ``tenant`` can allocate; same size class first."""
-        want = tenant.slot_bytes
-        chosen: list[bytes] = []
-        entries, pin_of, bytes_of = self.entries, self.pins.item, self.allocator.slot_bytes_of
-        if self.allocator.size_classes == 1 and not self._pin_calls:
-            chosen = list(islice(self.policy.victims(), need))  # any victim will do
-        elif self.allocator.size_classes == 1:  # every READY block has this size
-            for key in self.policy.victims():
-                if pin_of(entries[key]) == 0:
-                    chosen.append(key)
-                    if len(chosen) == need:
-                        break
-        else:
-            for key in self.policy.victims():
-                slot = entries[key]
-                if pin_of(slot) == 0 and bytes_of(slot) == want:
-                    chosen.append(key)
-                    if len(chosen) == need:
-                        break
-        n = self._evict_keys(chosen, tenant, out)
-        # Still short: empty whole extents of other size classes, in policy order.
-        while self.allocator.free_slots(want) < n_new and len(self.policy):
-            before = len(self.policy)
-            extra = []
-            for key in self.policy.victims():
-                slot = self.entries[key]
-                if self.pins[slot] == 0:
-                    extra.append(key)
-                    if len(extra) >= 64:
-                        break
-            n += self._evict_keys(extra, tenant, out)
-            if len(self.policy) == before:
-                break
-        return n
-
-    def _evict_keys(self, keys: list[bytes], tenant: Tenant, out: list[bytes]) -> int:
-        pfx = tenant.prefix
-        entries = self.entries
-        slots = [entries[key] for key in keys]
-        self.policy.evicted_many(keys)
-        out.extend([key[4:] for key in keys if key[:4] == pfx])
-        self._drop_entries(slots, victims=True)
-        self.counters.evicted_blocks += len(keys)
-        return len(keys)
-
-    def _drop_entries(self, slots: list[int], victims: bool = False) -> None:
-        """``_drop_entry`` for many slots, with one numpy call per array. ``victims``:
-        the slots are READY and unpinned (eviction checked), so no need to look."""
-        if not slots:
-            return
-        arr = np.array(slots, dtype=np.int64)
-        if victims:
-            ready = pinned = None
-        else:
-            ready = self.state[arr] == READY
-            pinned = self.pins[arr] > 0
-        keys = list(map(self._slot_key.pop, slots))
-        deque(map(self.entries.__delitem__, keys), maxlen=0)
-        tenants = list(map(self._slot_tenant.pop, slots))
-        plain = [key[4:] for key in keys]
-        is_ready = [True] * len(slots) if ready is None else ready.tolist()
-        if tenants.count(tenants[0]) == len(tenants):  # one tenant, the usual case
-            tid = tenants[0].id
-            deque(map(self._spaces[tid].__delitem__, plain), maxlen=0)
-            ready_map = self._ready.get(tid, {})
-            deque(map(ready_map.pop, plain, [None] * len(plain)), maxlen=0)
-            tenants[0].blocks -= is_ready.count(True)
-        else:
-            for t, key, r in zip(tenants, plain, is_ready):
-                del self._spaces[t.id][key]
-                self._ready.get(t.id, {}).pop(key, None)
-                t.blocks -= r
-        if self.checksums or self.record:
-            for slot, r in zip(slots, is_ready):
-                if r:
-                    self.checksums.pop(slot, None)
-                    if self.record:
-                        self.events.append(("drop", slot))
-        self.state[arr] = FREE
-        free = slots
-        if pinned is not None and pinned.any():  # copies in flight: freed once unpinned
-            self._doomed.update(arr[pinned].tolist())
-            arr = arr[~pinned]
-            free = arr.tolist()
-        self.rank_mask[arr] = 0
-        self.tenant_of[arr] = 0
-        self.allocator.free_many(free)
-
-    def _drop_entry(self, slot: int) -> None:
-        key = self._slot_key.pop(slot)
-        del self.entries[key]
-        t = self._slot_tenant.pop(slot)
-        del self._spaces[t.id][key[4:]]
-        self._ready.get(t.id, {}).pop(key[4:], None)
-        if self.state[slot] == READY:
-            t.blocks -= 1
-            self.checksums.pop(slot, None)
-            if self.record:
-                self.events.append(("drop", slot))
-        self.state[slot] = FREE
-        if self.pins[slot] > 0:
-            self._doomed.add(slot)  # an in-flight copy still uses it
-        else:
-            self._free(slot)
-
     @staticmethod
     def _count(counts: dict[int, int], owner: int, delta: int) -> None:
         n = counts.get(owner, 0) + delta
@@ -550,8 +425,3 @@ class Index:
             counts[owner] = n
         else:
             counts.pop(owner, None)
-
-    def _free(self, slot: int) -> None:
-        self.rank_mask[slot] = 0
-        self.tenant_of[slot] = 0
-        self.allocator.free(slot)
