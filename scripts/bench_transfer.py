@@ -13,8 +13,8 @@ Targets: >= 0.70 of memcpy at >= 64 KiB blocks, >= 0.50 at 16 KiB.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import daemon, emit  # noqa: E402
+from _chaos import Waiter  # noqa: E402
 
 from kvd.config import parse_size  # noqa: E402
 from kvd_client import Connection, host_regions  # noqa: E402
@@ -29,6 +30,7 @@ from kvd_proto import messages as m  # noqa: E402
 from kvd_proto.ids import pack_u32, unpack_u32  # noqa: E402
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 2 << 20]
+EVENTS = itertools.count(1)
 
 
 def memcpy_gbps(nbytes: int, repeat: int) -> float:
@@ -42,22 +44,21 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
     return nbytes / best / 1e9
 
 
-class Waiter:
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.done: dict[int, m.Done] = {}
-
-    def __call__(self, d: m.Done) -> None:
-        with self.cv:
-            self.done[d.event] = d
-            self.cv.notify_all()
-
-    def wait(self, events: list[int], timeout: float = 120) -> None:
-        with self.cv:
-            ok = self.cv.wait_for(lambda: all(e in self.done for e in events), timeout)
-        assert ok, "transfers did not complete"
-        bad = [self.done[e] for e in events if self.done[e].code != m.Code.OK]
-        assert not bad, bad[0]
+def timed_transfers(conn: Connection, waiter: Waiter, direction: m.Direction,
+                    blocks: np.ndarray, slots: np.ndarray, per: int) -> float:
+    """Send every block in Transfers of ``per`` blocks; seconds until the last Done."""
+    events = []
+    t0 = time.perf_counter()
+    for i in range(0, len(blocks), per):
+        event = next(EVENTS)
+        events.append(event)
+        conn.send(m.Transfer(conn.next_req(), event, direction,
+                             pack_u32(blocks[i:i + per]), pack_u32(slots[i:i + per])))
+    done = [waiter.wait(e, 120) for e in events]
+    seconds = time.perf_counter() - t0
+    bad = [d for d in done if d is None or d.code != m.Code.OK]
+    assert not bad, bad[0]
+    return seconds
 
 
 def run_size(sock: str, block: int, total: int, batch: int, repeat: int) -> dict:
@@ -76,7 +77,6 @@ def run_size(sock: str, block: int, total: int, batch: int, repeat: int) -> dict
     assert sched.wait_up(10) and a.wait_up(10) and b.wait_up(10)
     rng = np.random.default_rng(2)
     per = max(1, batch // block)
-    event = 0
     store_s, load_s = [], []
     try:
         for rep in range(repeat):
@@ -85,28 +85,12 @@ def run_size(sock: str, block: int, total: int, batch: int, repeat: int) -> dict
                 unpack_u32(sched.request(m.Allocate(sched.next_req(), keys[i:i + 8192])).slots)
                 for i in range(0, n, 8192)])
             order = rng.permutation(n)
-            events = []
-            t0 = time.perf_counter()
-            for i in range(0, n, per):
-                event += 1
-                events.append(event)
-                a.send(m.Transfer(a.next_req(), event, m.Direction.STORE,
-                                  pack_u32(order[i:i + per]), pack_u32(slots[i:i + per])))
-            waiter.wait(events)
-            store_s.append(time.perf_counter() - t0)
+            store_s.append(timed_transfers(a, waiter, m.Direction.STORE, order, slots, per))
             hit = sched.request(m.Lookup(sched.next_req(), keys))
             assert hit.hits == n
             hslots = unpack_u32(hit.slots)
             dorder = rng.permutation(n)
-            events = []
-            t0 = time.perf_counter()
-            for i in range(0, n, per):
-                event += 1
-                events.append(event)
-                b.send(m.Transfer(b.next_req(), event, m.Direction.LOAD,
-                                  pack_u32(dorder[i:i + per]), pack_u32(hslots[i:i + per])))
-            waiter.wait(events)
-            load_s.append(time.perf_counter() - t0)
+            load_s.append(timed_transfers(b, waiter, m.Direction.LOAD, dorder, hslots, per))
             # Correctness: dst[dorder[j]] == src[order[j]].
             j = rng.integers(0, n, 16)
             assert (dst[dorder[j]] == src[order[j]]).all(), "loaded bytes differ"
