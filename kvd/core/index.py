@@ -10,6 +10,7 @@ Time is passed in (``now``, seconds); the index never reads a clock.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -290,12 +291,22 @@ class Index(Eviction):
                 sums[slot][rank] = c
         ready: list[int] = []
         owners: list[_Pending] = []
-        for slot, mask in zip(order, self.rank_mask[s].tolist()):
-            p = pending.get(slot)  # None when the slot repeats in ``slots``
-            if p is not None and mask == p.tenant.full_mask:
-                del pending[slot]
-                ready.append(slot)
-                owners.append(p)
+        ps = list(map(pending.get, order))
+        if ps and ps[0] is not None and ps.count(ps[0]) == len(ps) \
+                and len(set(order)) == len(order):
+            # The usual case: the slots of one Allocate, no repeats: decide in numpy.
+            p = ps[0]
+            full = self.rank_mask[s] == np.uint64(p.tenant.full_mask)
+            ready = order if full.all() else s[full].tolist()
+            deque(map(pending.pop, ready), maxlen=0)
+            owners = [p] * len(ready)
+        else:
+            for slot, mask, p in zip(order, self.rank_mask[s].tolist(), ps):
+                # p is None when the slot repeats in ``slots``
+                if p is not None and mask == p.tenant.full_mask and slot in pending:
+                    del pending[slot]
+                    ready.append(slot)
+                    owners.append(p)
         if ready:
             arr = np.array(ready, dtype=np.int64)
             self.state[arr] = READY

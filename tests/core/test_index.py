@@ -158,3 +158,10 @@ def test_a_repeated_key_in_one_allocate_gets_one_slot():
     assert ix.lookup(t, [k(1), k(2)])[0] == 2
     ix.evict_tenant(None)
     assert ix.allocator.used_slots == 0 and not ix.entries
+
+
+def test_store_done_with_a_repeated_slot_counts_it_once():
+    ix, t, _ = make_index()
+    r = ix.allocate(t, [k(1), k(2)])
+    assert ix.store_done(np.array([r.slots[0], r.slots[0], r.slots[1]]), 0) == 2
+    assert ix.ready_blocks == 2 and t.blocks == 2 and ix.pending_blocks == 0

@@ -220,3 +220,55 @@ def test_runheap_offers_each_key_once_even_if_pushed_twice() -> None:
     heap.push_run([b"b"], 0.1)  # moves b to an earlier entry
     assert list(heap.ordered()) == [b"b", b"c", b"a"]
     assert heap.discard_many([b"c", b"a"]) == 1.0 and list(heap.ordered()) == [b"b"]
+
+
+# ---------------------------------------------------------------- chain adapts
+def _chat_like(requests: int, seed: int) -> list[list[bytes]]:
+    """Multi-turn chat: each turn re-sends its conversation's history plus a short new
+    question; recent conversations resume far more often than old ones."""
+    import random
+
+    rng = random.Random(seed)
+    fresh = iter(range(10**9))
+    sysprompt = [next(fresh) for _ in range(4)]
+    convs: list[list[int]] = []
+    out = []
+    for _ in range(requests):
+        if not convs or rng.random() < 0.3:
+            convs.append(list(sysprompt))
+            c = len(convs) - 1
+        else:
+            c = len(convs) - 1 - min(len(convs) - 1, int(rng.expovariate(1 / 20)))
+        turn = convs[c] + [next(fresh) for _ in range(rng.randint(1, 6))]
+        convs[c] = turn + [next(fresh)]
+        out.append([h.to_bytes(8, "little") for h in turn])
+    return out
+
+
+def _hits(policy: EvictionPolicy, requests: list[list[bytes]]) -> int:
+    capacity = policy.capacity
+    tenant = Tenants().get_or_create("t", model="m", tp_size=1, rank_page_bytes=(SLOT,))
+    index = Index(Allocator(capacity * SLOT, 50 * SLOT, SLOT), policy)
+    for keys in requests:
+        hits = index.lookup(tenant, keys)[0]
+        if hits < len(keys):
+            res = index.allocate(tenant, keys[hits:], depth=hits)
+            index.store_done(np.array([s for s in res.slots if s != NO_SLOT], np.int64), 0)
+    return index.counters.hit_blocks
+
+
+def test_chain_learns_recency_on_chat() -> None:
+    """On chat the length prior is wrong (a short conversation's next turn matters as
+    much as a long document): the ghosts turn it down, closing most of the gap to LRU
+    that the fixed prior leaves."""
+    from kvd.core.policies.chain import ChainPolicy
+
+    class Frozen(ChainPolicy):
+        step = 0.0
+
+    trace = _chat_like(3000, seed=7)
+    lru = _hits(make_policy("lru", 500), trace)
+    frozen = _hits(Frozen(500), trace)
+    adaptive = _hits(make_policy(DEFAULT_POLICY, 500), trace)
+    assert adaptive > frozen
+    assert lru - adaptive < 0.5 * (lru - frozen)

@@ -16,6 +16,14 @@ matter) or not; the length factor ``length / (LONG * mean length)`` (at most 1)
 favours long prompts (documents, agent contexts), reused far more often than short
 chats. Both adapt, so neither the workload mix nor the block size is baked in.
 
+How much the length factor counts adapts too, as ARC adapts its split, from the ghost
+list: the factor is raised to a power ``strength`` in [0, 1]. A never-hit block stored
+again soon after its eviction says the factor cost it time it needed (lower the
+power, towards recency: multi-turn chat, where the next turn of a short conversation
+matters as much as a long document); a hit block stored again says value deserved
+more (raise it). A hit-block return counts ``never-hit evictions / hit evictions``
+steps, so the power settles where both kinds of victims come back at the same rate.
+
 A run of blocks (one request's stores, or its hit blocks) shares one priority, and
 ties go to the deepest block, so a chain loses its tail before its head (a hit needs
 every earlier block: a lost head wastes the whole chain). The heap holds one entry per
@@ -36,6 +44,7 @@ HORIZON = 1.0  # capacities of stores and hits that age a block by one unit of v
 GHOST = 1.0  # evicted keys remembered, in capacities
 WINDOW = 20_000  # blocks per kind over which the reuse odds adapt
 MEAN_WINDOW = 4096  # blocks stored over which the mean chain length adapts
+STEP = 4.0  # a ghost return moves the length factor's power by STEP / capacity
 FRESH, NEXT, HIT = 0, 1, 2  # kinds: new chain, stored right after a hit on it, hit
 
 
@@ -45,6 +54,7 @@ class ChainPolicy(EvictionPolicy):
     long = LONG
     horizon = HORIZON
     ghost = GHOST
+    step = STEP
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -57,6 +67,8 @@ class ChainPolicy(EvictionPolicy):
         self._entered = [1.0, 1.0, 1.0]  # blocks that became each kind (decayed)
         self._again = [0.5, 0.5, 0.5]  # ... and were then hit or stored again
         self._mean_len = 0.0
+        self._strength = 1.0  # power of the length factor, learned from the ghosts
+        self._evicted = [1.0, 1.0]  # never-hit and hit blocks evicted (decayed)
         self._seen = 0
         self._hit_end = -1  # depth just past the last hit run
         self._next_depth = -1  # where the current run of stores would continue
@@ -71,6 +83,14 @@ class ChainPolicy(EvictionPolicy):
         if entered[kind] > WINDOW:  # forget slowly, so the odds follow the workload
             entered[kind] *= 0.5
             self._again[kind] *= 0.5
+
+    def _returned(self, kinds: Sequence[int]) -> None:
+        """Ghosts of these kinds were stored again: move the length factor's power."""
+        hit = kinds.count(HIT)
+        unhit, evicted = len(kinds) - hit, self._evicted
+        step = self.step / self.capacity
+        s = self._strength + step * (hit * evicted[0] / evicted[1] - unhit)
+        self._strength = min(1.0, max(0.0, s))
 
     def _odds(self, kind: int) -> float:
         p = self._again[kind] / self._entered[kind]
@@ -93,9 +113,10 @@ class ChainPolicy(EvictionPolicy):
         if ghost and any(map(ghost.__contains__, keys)):
             # Stored again soon after its eviction: it was reused, as a hit is.
             back = [k for k in keys if k in ghost]
-            again = self._again
-            for key in back:
-                again[ghost.pop(key)] += 1.0
+            again, kinds = self._again, list(map(ghost.pop, back))
+            for k in kinds:
+                again[k] += 1.0
+            self._returned(kinds)
             self._count(HIT, len(back))
             self._kind.update(dict.fromkeys(back, HIT))
             prio = self._run_base + self.reused
@@ -119,6 +140,7 @@ class ChainPolicy(EvictionPolicy):
         self._run_kind = NEXT if depth == self._hit_end and depth > 0 else FRESH
         self._run_len = length
         factor = 1.0 if length <= 0 else min(1.0, length / (self.long * self._mean_len))
+        factor **= self._strength
         self._run_base = self._floor + self._age + self._tick
         self._run_prio = self._run_base + self.reused * self._odds(self._run_kind) * factor
 
@@ -150,8 +172,15 @@ class ChainPolicy(EvictionPolicy):
         if top is None:
             return
         self._floor = max(self._floor, top - self._age)
-        ghost = self._ghost
-        ghost.update(zip(keys, map(self._kind.pop, keys)))
+        ghost, evicted = self._ghost, self._evicted
+        kinds = list(map(self._kind.pop, keys))
+        ghost.update(zip(keys, kinds))
+        hit = kinds.count(HIT)
+        evicted[0] += len(kinds) - hit
+        evicted[1] += hit
+        if evicted[0] + evicted[1] > WINDOW:
+            evicted[0] *= 0.5
+            evicted[1] *= 0.5
         limit = self.ghost * self.capacity
         while len(ghost) > limit:
             ghost.popitem(last=False)
