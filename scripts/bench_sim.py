@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from kvd.cli.simulate import parse_policies
 from kvd.sim import load_trace, replay
 
-TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+# The project's shared trace sits beside the repository (../shared/traces/).
+TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces"
+            / "mooncake_synthetic_trace.jsonl")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from kvd.cli.simulate import parse_policies, plot, table
 from kvd.core.policies.base import DEFAULT_POLICY
 from kvd.sim import BELADY, load_trace, replay
 
-TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+# The project's shared trace sits beside the repository (../shared/traces/).
+TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces"
+            / "mooncake_synthetic_trace.jsonl")
 CAPACITIES = "2000,3000,5000,7500,10000,15000,20000,30000,40000"
 
 
