@@ -181,8 +181,11 @@ def test_entry_point_health_is_one_line_and_top_quits_on_ctrl_c(busy_daemon):
     p = subprocess.run([*KVDCTL, "--socket", busy_daemon.socket, "health"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and p.stdout.count("\n") == 1 and p.stderr == ""
+    # Ctrl-C as at a terminal: a runner that started us in the background (SIGINT
+    # ignored, inherited) must not make the child ignore it too.
     top = subprocess.Popen([*KVDCTL, "--socket", busy_daemon.socket, "top"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(2.0)
     top.send_signal(signal.SIGINT)
     out, err = top.communicate(timeout=10)
