@@ -272,3 +272,15 @@ def test_chain_learns_recency_on_chat() -> None:
     adaptive = _hits(make_policy(DEFAULT_POLICY, 500), trace)
     assert adaptive > frozen
     assert lru - adaptive < 0.5 * (lru - frozen)
+
+
+def test_chain_survives_runs_longer_than_its_averaging_window():
+    """Regression: runs longer than the averaging window overshot the running mean
+    chain length to exactly zero (two Allocates of 8,192 keys did it in the daemon)."""
+    from kvd.core.policies.chain import MEAN_WINDOW
+
+    p = make_policy("chain", 1000)
+    n = 2 * MEAN_WINDOW
+    for run in range(4):
+        p.insert_many([(run, i) for i in range(10)], 0, n)
+    assert p._mean_len > 0 and len(p) == 40

@@ -133,13 +133,14 @@ class ChainPolicy(EvictionPolicy):
         """A run of stores shares one priority, so its blocks leave deepest first; all
         of it is decided here, so a run stored one key at a time gets the same."""
         if length > depth:  # the mean over blocks: this run stores length - depth
-            w = length - depth
+            w = min(length - depth, MEAN_WINDOW)  # w <= seen: a convex step, never < 0
             self._seen = min(self._seen + w, MEAN_WINDOW)
             self._mean_len += (length - self._mean_len) * w / self._seen
         # A run that starts where the last hit run ended continues that chain.
         self._run_kind = NEXT if depth == self._hit_end and depth > 0 else FRESH
         self._run_len = length
-        factor = 1.0 if length <= 0 else min(1.0, length / (self.long * self._mean_len))
+        factor = 1.0 if length <= 0 else min(1.0, length / (self.long * max(self._mean_len,
+                                                                          1.0)))
         factor **= self._strength
         self._run_base = self._floor + self._age + self._tick
         self._run_prio = self._run_base + self.reused * self._odds(self._run_kind) * factor
