@@ -28,7 +28,7 @@ run: $(VENV)/.run-deps
 	exec $(VENV)/bin/kvd serve $(ARGS)
 
 test: $(VENV)/.test-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	KVD_E2E_REQUIRE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 # Everything but the end-to-end vLLM tests (no vLLM install needed).
 test-fast: $(VENV)/.run-deps

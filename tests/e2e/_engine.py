@@ -27,6 +27,9 @@ The configuration (JSON object):
       the connector's ``reset_cache`` (the offloading manager's ``reset_cache``)
   ``{"op": "sleep", "seconds": s}``
   ``{"op": "tokenize", "prompt": str}``  the prompt's token ids, as vLLM sees them
+  ``{"op": "touch", "path": str}``  create a file (tell the test a point was reached)
+  ``{"op": "wait_file", "path": str, "timeout": 120}``  wait until a file exists (the
+      test or another engine says go on); coordinates engines run side by side
 
 Output: every result is one line on stdout, ``RESULT_PREFIX`` followed by a JSON object
 (vLLM logs to stdout as well, so the prefix is how results are found). The first one is
@@ -36,7 +39,9 @@ A ``generate`` result carries ``token_ids``, ``text``, ``finish_reason`` (``"err
 when vLLM failed the request, e.g. a KV load failure under the default
 ``kv_load_failure_policy="fail"``), ``prompt_len``, ``num_cached_tokens`` (prefix
 tokens not computed by this request: vLLM's prefix-cache hits plus tokens loaded by
-a connector), ``request_id`` and ``elapsed_s``.
+a connector), ``request_id`` and ``elapsed_s``. Every step result also has ``cpu_s``,
+the CPU time this process used during it (all its threads; in-process mode that is the
+whole engine).
 
 This file imports only the standard library and vLLM; it must not import kvd.
 """
@@ -72,7 +77,7 @@ def _enable_amx() -> None:
 if __name__ in ("__main__", "__mp_main__"):  # not when conftest imports RESULT_PREFIX
     _enable_amx()
 
-# Offline, small and quiet; see /work/shared/vllm-cpu.md. Callers may override any.
+# Offline, small and quiet (how vLLM runs on a CPU-only machine). Callers may override any.
 DEFAULT_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -151,6 +156,7 @@ def run_steps(llm, steps: list[dict]) -> None:
     for index, step in enumerate(steps):
         op = step.get("op")
         started = time.perf_counter()
+        cpu_started = time.process_time()
         result: dict = {"op": op, "step": index}
         if op == "generate":
             params = SamplingParams(
@@ -180,12 +186,22 @@ def run_steps(llm, steps: list[dict]) -> None:
             )
         elif op == "sleep":
             time.sleep(float(step["seconds"]))
+        elif op == "touch":
+            with open(step["path"], "w"):
+                pass
+        elif op == "wait_file":
+            deadline = time.monotonic() + float(step.get("timeout", 120))
+            while not os.path.exists(step["path"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step['path']} did not appear")
+                time.sleep(0.02)
         elif op == "tokenize":
             tokenizer = llm.get_tokenizer()
             result["token_ids"] = list(tokenizer.encode(step["prompt"]))
         else:
             raise ValueError(f"unknown step op {op!r} (step {index})")
         result["elapsed_s"] = round(time.perf_counter() - started, 6)
+        result["cpu_s"] = round(time.process_time() - cpu_started, 6)  # this process only
         emit(result)
 
 

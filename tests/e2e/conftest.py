@@ -263,3 +263,30 @@ def run_engine(start_engine):
         return start_engine(config, env=env, timeout=timeout).wait(check=check)
 
     return run
+
+
+# --- kvd ------------------------------------------------------------------------------
+# The kvd tests run a real ``kvd serve`` (tests/conftest.py's ``daemon_factory``) and
+# point the engine at it through KvdConnector.
+
+
+def kvd_transfer_config(socket: str, **extra) -> dict:
+    """The ``kv_transfer_config`` a user writes for kvd (plus test-only extra keys)."""
+    return {
+        "kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd_client.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"socket": socket, **extra},
+    }
+
+
+def wait_for(path: Path, proc: EngineProcess, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Wait until an engine ``touch``-ed ``path``; fail early if the engine died."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.proc.poll() is not None:
+            run = proc.wait(check=False)
+            raise EngineError(f"engine exited before {path.name}:\n{run.log_tail()}")
+        if time.monotonic() > deadline:
+            raise EngineError(f"engine did not reach {path.name} in {timeout:.0f} s")
+        time.sleep(0.05)

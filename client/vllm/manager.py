@@ -1,0 +1,349 @@
+"""Scheduler side: an OffloadingManager that asks kvd, never blocking the scheduler.
+
+vLLM calls ``lookup`` key by key inside ``schedule()`` and keeps scanning on ``RETRY``.
+So the first scan of a request answers RETRY for every key and collects them; one
+batched ``Lookup`` per request goes out at the end of the step (``on_schedule_end``);
+later scans answer from its reply (HIT for the leased run, HIT_PENDING for blocks still
+being stored, MISS after). A reply that does not come within ``lookup_timeout_ms``
+is a miss: vLLM itself would park the request forever.
+
+The reply's lease pins the hit blocks in the daemon until the load completed or the
+request went away (Release), or it lapses (``lease_ms``). A request loads from kvd at
+most once: after a load (good or failed) its lookups miss, which is what keeps a failed
+load (recomputed by vLLM) from being retried forever.
+
+Stores cost one Allocate round trip in ``prepare_store`` (with a short deadline); keys
+kvd already has come back without a slot and are left out of the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+
+from kvd_client.connection import Connection
+from kvd_client.errors import KvdClientError, Timeout
+from kvd_client.vllm.failopen import Boundary
+from kvd_client.vllm.fingerprint import EngineFacts, root_hash_matches
+from kvd_client.vllm.spec import KvdOptions, KvdSlots
+from kvd_proto import messages as m
+from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
+
+log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
+MISS, HIT, HIT_PENDING, RETRY = (LookupResult.MISS, LookupResult.HIT,
+                                 LookupResult.HIT_PENDING, LookupResult.RETRY)
+COLLECT, WAIT, ANSWERED = "collect", "wait", "answered"
+
+
+@dataclass(eq=False)
+class _Req:
+    """One request's lookup state (scheduler thread only)."""
+
+    ctx: ReqContext
+    first_seen: float
+    phase: str = COLLECT
+    keys: dict[bytes, None] = field(default_factory=dict)  # the scan being collected
+    sent: list[bytes] = field(default_factory=list)
+    future: Future | None = None
+    deadline: float = 0.0
+    hits: dict[bytes, int] = field(default_factory=dict)  # key -> slot (leased)
+    pending: frozenset[bytes] = frozenset()
+    lease: int = 0
+    lease_until: float = 0.0
+    instance: str = ""
+    refresh: bool = False  # answered HIT_PENDING: ask again at the end of the step
+    loaded: bool = False
+
+
+class KvdManager(OffloadingManager):
+    def __init__(self, options: KvdOptions, fingerprint: m.Fingerprint, facts: EngineFacts,
+                 *, connection: Connection | None = None) -> None:
+        self.options = options
+        self.fingerprint = fingerprint
+        self.facts = facts
+        self.tokens_per_key = facts.block_tokens
+        self.boundary = Boundary("scheduler")
+        self.conn = connection or Connection(
+            options.socket, name=f"vllm-scheduler:{facts.engine_id}",
+            timeout=options.call_timeout_ms / 1000,
+            register=m.Register(0, fingerprint, rank=-1))
+        self.disabled = ""  # why kvd is off for this engine ("" = on)
+        self._root_checked = False
+        self._reqs: dict[str, _Req] = {}
+        self._to_send: list[_Req] = []  # scans collected this step
+        self._refresh: list[_Req] = []  # answered HIT_PENDING this step
+        self._waiting = 0  # Lookups in flight
+        self._abandoned: list[Future] = []
+
+    # ------------------------------------------------------------ lookups
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        return self.boundary.guard("lookup", lambda: MISS,
+                                   lambda: self._lookup(key, req_context))
+
+    def _lookup(self, key: bytes, ctx: ReqContext) -> LookupResult:
+        if self.disabled:
+            return MISS
+        now = time.monotonic()
+        st = self._reqs.get(ctx.req_id)
+        if st is None:
+            if not self.conn.up:  # breaker open: miss at once, no RETRY round
+                self.boundary.count("lookup.unavailable")
+                return MISS
+            st = self._reqs[ctx.req_id] = _Req(ctx, now)
+            self._to_send.append(st)
+        if st.loaded:
+            return MISS
+        if st.phase == COLLECT:
+            st.keys[key] = None
+            return RETRY
+        if st.phase == WAIT:
+            assert st.future is not None
+            if st.future.done():
+                self._absorb(st)
+            elif now >= st.deadline:
+                self.boundary.note("lookup", "deadline", f"no Lookup reply in "
+                                   f"{self.options.lookup_timeout_ms} ms; serving as a miss")
+                self._abandon(st)
+                st.phase = ANSWERED
+            else:
+                return RETRY
+        if st.hits and now >= st.lease_until:  # the lease may lapse before a load: ask again
+            self._release(st)
+            st.phase, st.keys = COLLECT, {key: None}
+            self._to_send.append(st)
+            return RETRY
+        if key in st.hits:
+            return HIT
+        if key in st.pending and now - st.first_seen < self.options.pending_wait_ms / 1000:
+            if not st.refresh:
+                st.refresh = True
+                self._refresh.append(st)
+            return HIT_PENDING
+        return MISS
+
+    def _absorb(self, st: _Req) -> None:
+        assert st.future is not None
+        fut, st.future, st.phase = st.future, None, ANSWERED
+        st.hits, st.pending = {}, frozenset()
+        self._waiting -= 1
+        try:
+            reply = fut.result(0)
+        except KvdClientError as e:
+            self.boundary.note("lookup", "error", e)
+            return
+        if not isinstance(reply, m.LookupOk):
+            return
+        slots = unpack_u32(reply.slots).tolist()
+        st.hits = dict(zip(st.sent[:reply.hits], slots))
+        st.pending = frozenset(st.sent[reply.hits:reply.hits + reply.pending])
+        st.lease = reply.lease
+        self.boundary.count("lookup.hit_blocks", reply.hits)
+
+    def _send_lookup(self, st: _Req, keys: list[bytes]) -> None:
+        now = time.monotonic()
+        st.sent, st.keys, st.refresh = keys, {}, False
+        st.instance = self.conn.instance
+        st.future = self.conn.submit(m.Lookup(self.conn.next_req(), keys,
+                                              lease_ms=self.options.lease_ms,
+                                              depth=self._depth(st.ctx, keys[0])))
+        st.phase = WAIT
+        self._waiting += 1
+        st.deadline = now + self.options.lookup_timeout_ms / 1000
+        # Keep a margin: a lease that lapses under a load could hand out a reused slot.
+        st.lease_until = now + self.options.lease_ms / 1000 * 0.8
+        self.boundary.count("lookup.sent")
+
+    def _depth(self, ctx: ReqContext, key: bytes) -> int:
+        pos = ctx.get_offload_key_position(key)  # end token of the key's block
+        return max(0, pos // self.tokens_per_key - 1) if pos else 0
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.boundary.guard("on_schedule_end", lambda: None, self._schedule_end)
+
+    def _schedule_end(self) -> None:
+        to_send, self._to_send = self._to_send, []
+        for st in to_send:
+            if st.phase == COLLECT and st.keys and self._reqs.get(st.ctx.req_id) is st:
+                self._send_lookup(st, list(st.keys))
+        refresh, self._refresh = self._refresh, []
+        for st in refresh:  # blocks were being stored: ask again
+            if st.phase == ANSWERED and self._reqs.get(st.ctx.req_id) is st:
+                self._release(st)
+                self._send_lookup(st, st.sent)
+            st.refresh = False
+        self._reap_abandoned()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._to_send or self._refresh or self._waiting)
+
+    # ------------------------------------------------------------ loads
+    def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> KvdSlots:
+        keys = list(keys)
+        # Cannot fail in vLLM's eyes: on a bug, slots nobody has make the load fail, and
+        # vLLM recomputes.
+        return self.boundary.guard(
+            "prepare_load", lambda: KvdSlots(np.full(len(keys), NO_SLOT), ""),
+            lambda: self._prepare_load(keys, req_context))
+
+    def _prepare_load(self, keys: list[bytes], req_context: ReqContext) -> KvdSlots:
+        st = self._reqs.get(req_context.req_id)
+        hits = st.hits if st is not None else {}
+        slots = np.array([hits.get(k, NO_SLOT) for k in keys], dtype=np.uint32)
+        if st is not None:
+            st.loaded = True
+        self.boundary.count("load.blocks", len(keys))
+        # A NO_SLOT (cannot happen unless vLLM asks for keys it was not told about) makes
+        # the worker fail the job, and vLLM recomputes: prepare_load itself cannot fail.
+        return KvdSlots(slots, st.instance if st is not None else "")
+
+    def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        st = self._reqs.get(req_context.req_id)
+        if st is not None:
+            self.boundary.guard("complete_load", lambda: None, lambda: self._release(st))
+
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        return  # recency is the daemon's: lookups and stores carry depth
+
+    # ------------------------------------------------------------ stores
+    def prepare_store(self, keys: Collection[bytes],
+                      req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        return self.boundary.guard("prepare_store", lambda: _skip(self.conn.instance),
+                                   lambda: self._prepare_store(keys, req_context))
+
+    def _prepare_store(self, keys: list[bytes], ctx: ReqContext) -> PrepareStoreOutput:
+        if self.disabled or not keys:
+            return _skip("")
+        if not self.conn.up:
+            self.boundary.count("store.unavailable")
+            return _skip("")
+        instance = self.conn.instance
+        fut = self.conn.submit(m.Allocate(self.conn.next_req(), keys,
+                                          depth=self._depth(ctx, keys[0]),
+                                          pending_ms=self.options.pending_ms))
+        try:
+            reply = fut.result(self.options.store_timeout_ms / 1000)
+        except FutureTimeout:
+            fut.add_done_callback(self._abort_late_allocation)
+            raise Timeout("kvd did not answer Allocate in time; store skipped") from None
+        assert isinstance(reply, m.Allocated)
+        slots = unpack_u32(reply.slots)
+        mask = slots != NO_SLOT
+        to_store = [k for k, new in zip(keys, mask.tolist()) if new]
+        self.boundary.count("store.blocks", len(to_store))
+        if reply.allocated < len(keys):
+            self.boundary.count("store.no_space", len(keys) - reply.allocated)
+        return PrepareStoreOutput(keys_to_store=to_store,
+                                  store_spec=KvdSlots(slots[mask], instance),
+                                  evicted_keys=list(reply.evicted))
+
+    def _abort_late_allocation(self, fut: Future) -> None:
+        """On the I/O thread: give back slots of an Allocate answered after its deadline."""
+        try:
+            reply = fut.result(0)
+        except Exception:  # noqa: BLE001 - nothing was allocated
+            return
+        if isinstance(reply, m.Allocated):
+            slots = unpack_u32(reply.slots)
+            slots = slots[slots != NO_SLOT]
+            if slots.size:
+                self.conn.submit(m.Abort(self.conn.next_req(), pack_u32(slots)))
+
+    def complete_store(self, keys: Collection[bytes], req_context: ReqContext,
+                       success: bool = True) -> None:
+        return  # the daemon publishes a block once every rank stored it
+
+    # ------------------------------------------------------------ lifecycle
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if not self._root_checked:
+            self.boundary.guard("on_new_request", lambda: None, self._check_root)
+        return RequestOffloadingContext()
+
+    def _check_root(self) -> None:
+        ok = root_hash_matches(self.fingerprint.root_hash, self.facts.hash_algo)
+        if ok is None:
+            return
+        self._root_checked = True
+        if not ok:
+            self.disabled = "root hash mismatch"
+            log.error("kvd disabled for this engine: vLLM's root block hash (NONE_HASH) is "
+                      "not the one derived for prefix_caching_hash_algo=%s; use "
+                      "KvdConnector or set \"hash_algo\" in kv_connector_extra_config",
+                      self.facts.hash_algo)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        st = self._reqs.pop(req_context.req_id, None)
+        if st is not None:
+            self.boundary.guard("on_request_finished", lambda: None, lambda: self._drop(st))
+
+    def reset_cache(self) -> None:
+        self.boundary.guard("reset_cache", lambda: None, self._drop_all)
+
+    def shutdown(self) -> None:
+        self.boundary.guard("shutdown", lambda: None, self._drop_all)
+        counts = dict(sorted(self.boundary.counts.items()))
+        log.info("kvd scheduler side: %s; connection: %s", counts, self.conn.stats)
+        self.conn.close()
+
+    def take_events(self):  # type: ignore[override]
+        return ()
+
+    # ------------------------------------------------------------ helpers
+    def _drop_all(self) -> None:
+        reqs, self._reqs = list(self._reqs.values()), {}
+        self._to_send, self._refresh = [], []
+        for st in reqs:
+            self._drop(st)
+        self._reap_abandoned()
+
+    def _drop(self, st: _Req) -> None:
+        self._release(st)
+        if st.future is not None:
+            self._abandon(st)
+
+    def _release(self, st: _Req) -> None:
+        lease, st.lease, st.hits, st.pending = st.lease, 0, {}, frozenset()
+        if lease and self.conn.up and st.instance == self.conn.instance:
+            self.conn.submit(m.Release(self.conn.next_req(), lease))  # fire and forget
+
+    def _abandon(self, st: _Req) -> None:
+        assert st.future is not None
+        self._abandoned.append(st.future)
+        self._waiting -= 1
+        st.future = None
+        st.hits, st.pending = {}, frozenset()
+
+    def _reap_abandoned(self) -> None:
+        """Release the leases of Lookup replies that came after their request gave up."""
+        keep = []
+        for fut in self._abandoned:
+            if not fut.done():
+                keep.append(fut)
+                continue
+            try:
+                reply = fut.result(0)
+            except Exception:  # noqa: BLE001 - nothing was leased
+                continue
+            if isinstance(reply, m.LookupOk) and reply.lease and self.conn.up:
+                self.conn.submit(m.Release(self.conn.next_req(), reply.lease))
+        self._abandoned = keep
+
+
+def _skip(instance: str) -> PrepareStoreOutput:
+    """Store nothing, quietly: vLLM moves on (None would retry the same keys every step)."""
+    return PrepareStoreOutput(keys_to_store=[], store_spec=KvdSlots(np.zeros(0), instance),
+                              evicted_keys=[])

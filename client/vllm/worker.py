@@ -1,0 +1,287 @@
+"""Worker side: an OffloadingWorker whose copies the daemon does.
+
+The worker registers its KV memory once (``Register`` with its TP rank, replayed by the
+connection on every reconnect), then turns each ``submit_store`` / ``submit_load`` into
+one ``Transfer`` whose ``event`` is vLLM's job id. The daemon's ``Done`` events (or the
+ones the connection synthesizes for transfers lost with the daemon) arrive on the
+connection's I/O thread and are queued for ``get_finished``.
+
+vLLM 0.32 kills the engine on ``TransferResult(success=False)`` or a ``submit_*``
+returning False, so every job reports success; what failed is handled here:
+
+- a failed or skipped store simply never becomes READY in the daemon;
+- a failed load leaves its engine block ids in ``take_load_errors`` (reported to vLLM via
+  ``get_block_ids_with_load_errors``, which recomputes those tokens).
+
+The data path follows the tensors' device: host memory (vLLM on CPU) is read and written
+by the daemon with process_vm_readv/writev; CUDA memory is exported with IPC handles and
+stores are ordered after the forward pass by an interprocess event (kvd_client.cuda).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvd_client.connection import Connection
+from kvd_client.memory import host_regions
+from kvd_client.vllm.failopen import Boundary
+from kvd_client.vllm.fingerprint import split_pages
+from kvd_client.vllm.spec import KvdOptions, KvdSlots
+from kvd_proto import messages as m
+from kvd_proto.ids import NO_SLOT, pack_u32
+
+log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
+
+
+class _HostPath:
+    """vLLM on CPU: the daemon copies with cross-memory attach; nothing to order."""
+
+    kind = "host"
+
+    def __init__(self, tensors: Sequence[Any]) -> None:
+        self.regions = host_regions(tensors)
+
+    def register(self, fp: m.Fingerprint, rank: int) -> m.Register:
+        return m.Register(0, fp, rank=rank,
+                          host_regions=split_pages(self.regions, fp.rank_page_bytes))
+
+    def store_event(self) -> int:
+        return -1
+
+    def event_done(self, index: int) -> None:
+        return
+
+    def close(self) -> None:
+        return
+
+
+class _CudaPath:
+    """GPU KV: IPC-exported regions plus an event ring ordering stores after compute."""
+
+    kind = "cuda"
+
+    def __init__(self, tensors: Sequence[Any]) -> None:
+        from kvd_client.cuda import EventRing, export_regions, gpu_tensors  # noqa: PLC0415
+
+        self.regions = export_regions([g for t in tensors for g in gpu_tensors(t)])
+        self.ring = EventRing()
+
+    def register(self, fp: m.Fingerprint, rank: int) -> m.Register:
+        return m.Register(0, fp, rank=rank,
+                          cuda_regions=split_pages(self.regions, fp.rank_page_bytes),
+                          cuda_event_handles=self.ring.handles)
+
+    def store_event(self) -> int:
+        import torch  # noqa: PLC0415 - only the CUDA path needs it
+
+        stream = torch.cuda.current_stream()
+        index = self.ring.record_next(stream.cuda_stream)
+        if index is None:  # every event still awaited by the daemon: order by syncing
+            stream.synchronize()
+            return -1
+        return index
+
+    def event_done(self, index: int) -> None:
+        if index >= 0:
+            self.ring.waited(index)
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+def data_path_for(tensors: Sequence[Any]) -> _HostPath | _CudaPath:
+    device = getattr(getattr(tensors[0], "device", None), "type", "cpu")
+    return _CudaPath(tensors) if device == "cuda" else _HostPath(tensors)
+
+
+@dataclass(slots=True)
+class _Job:
+    load: bool
+    block_ids: np.ndarray
+    cuda_event: int
+
+
+class KvdWorker(OffloadingWorker):
+    def __init__(self, options: KvdOptions, fingerprint: m.Fingerprint,
+                 kv_caches: CanonicalKVCaches, *, rank: int) -> None:
+        self.options = options
+        self.rank = rank
+        self.boundary = Boundary(f"worker{rank}")
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self.path = data_path_for(self.tensors)
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}  # submitted, Done not yet seen
+        self._finished: list[TransferResult] = []
+        self._load_errors: set[int] = set()
+        self._garble: list[np.ndarray] = []  # fail_loads_for_test only
+        self.conn = Connection(
+            options.socket, name=f"vllm-worker{rank}", timeout=options.call_timeout_ms / 1000,
+            transfer_timeout=options.transfer_timeout_ms / 1000,
+            register=self.path.register(fingerprint, rank), on_done=self._on_done,
+            on_event_waited=lambda ev: self.path.event_done(ev.cuda_event))
+        log.info("kvd worker rank %d: %s data path, %d KV tensors, socket %s", rank,
+                 self.path.kind, len(self.tensors), options.socket)
+        if options.fail_loads_for_test:
+            log.warning("kvd: fail_loads_for_test is on: every load is garbled and failed")
+        _report_load_errors_through(self)
+
+    # ------------------------------------------------------------ submit
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        self.boundary.guard("submit_store", lambda: self._complete(job_id),
+                            lambda: self._submit(job_id, False, src_spec, dst_spec))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """``expedited`` (vLLM 0.33 sync loads) changes nothing here: ``wait`` follows."""
+        self.boundary.guard("submit_load", lambda: self._fail_load(job_id, dst_spec.block_ids),
+                            lambda: self._submit(job_id, True, dst_spec, src_spec))
+        return True
+
+    def _submit(self, job_id: int, load: bool, gpu: GPULoadStoreSpec,
+                slots_spec: LoadStoreSpec) -> None:
+        blocks = np.asarray(gpu.block_ids, dtype=np.int64)
+        why = _unusable(slots_spec, blocks, self.conn)
+        if why:
+            self.boundary.count(f"{'load' if load else 'store'}.skipped.{why}")
+            return self._fail_load(job_id, blocks) if load else self._complete(job_id)
+        assert isinstance(slots_spec, KvdSlots)
+        cuda_event = -1 if load else self.path.store_event()
+        with self._cond:
+            self._jobs[job_id] = _Job(load, blocks, cuda_event)
+        sent = self.conn.send(m.Transfer(self.conn.next_req(), job_id,
+                                         m.Direction.LOAD if load else m.Direction.STORE,
+                                         pack_u32(blocks), pack_u32(slots_spec.slots),
+                                         cuda_event))
+        if not sent:  # went down in between: nothing will answer
+            self._on_done(m.Done(0, job_id, m.Code.CLIENT_GONE, "kvd not connected"))
+
+    # ------------------------------------------------------------ completions
+    def _on_done(self, done: m.Done) -> None:
+        """Any thread (mostly the connection's I/O thread)."""
+        with self._cond:
+            job = self._jobs.pop(done.event, None)
+            if job is None:
+                return  # unknown or already completed
+            ok = done.code == m.Code.OK
+            if job.load and ok and self.options.fail_loads_for_test:
+                self._garble.append(job.block_ids)
+                ok = False
+            if job.load and not ok:
+                self._load_errors.update(job.block_ids.tolist())
+            self._finished.append(TransferResult(
+                done.event, True, done.nbytes if ok else None, done.seconds if ok else None))
+            self._cond.notify_all()
+        self.path.event_done(job.cuda_event)
+        if not ok:
+            kind = "load" if job.load else "store"
+            self.boundary.note(f"{kind}_transfer", m.Code(done.code).name.lower(),
+                               done.message or "failed")
+
+    def _complete(self, job_id: int) -> None:
+        with self._cond:
+            self._jobs.pop(job_id, None)
+            self._finished.append(TransferResult(job_id, True))
+            self._cond.notify_all()
+
+    def _fail_load(self, job_id: int, block_ids: Any) -> None:
+        with self._cond:
+            self._load_errors.update(np.asarray(block_ids).tolist())
+        self._complete(job_id)
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._cond:
+            done, self._finished = self._finished, []
+            garble, self._garble = self._garble, []
+        for blocks in garble:  # TEST ONLY: prove failed loads are recomputed, not used
+            idx = _torch_index(blocks, self.tensors[0])
+            for t in self.tensors:
+                t[idx] = 77
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the jobs we know of in ``job_ids`` completed (unknown ids: ignored).
+
+        Bounded: the connection fails a Transfer without Done after transfer_timeout_ms."""
+        limit = time.monotonic() + self.options.transfer_timeout_ms / 1000 + 5
+        with self._cond:
+            while any(j in self._jobs for j in job_ids):
+                left = limit - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            stuck = [j for j in job_ids if j in self._jobs]
+        for j in stuck:  # never seen before: the connection's own deadline failed
+            self._on_done(m.Done(0, j, m.Code.TRANSFER_FAILED, "no Done from kvd"))
+
+    def take_load_errors(self) -> set[int]:
+        """Engine block ids whose load failed since the last call (for vLLM's recompute)."""
+        with self._cond:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        log.info("kvd worker rank %d: %s; connection: %s", self.rank,
+                 dict(sorted(self.boundary.counts.items())), self.conn.stats)
+        self.conn.close()
+        with self._cond:
+            jobs = list(self._jobs)
+        for j in jobs:
+            self._on_done(m.Done(0, j, m.Code.CLIENT_GONE, "worker shut down"))
+        self.path.close()
+
+
+def _report_load_errors_through(worker: KvdWorker) -> None:
+    """Loaded as a plain OffloadingConnector spec, nobody would tell vLLM which loads
+    failed (it would compute on garbage): lend that connector our load-error report."""
+    try:
+        from vllm.distributed.kv_transfer import (  # noqa: PLC0415
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+    except ImportError:
+        return
+    if not has_kv_transfer_group():
+        return  # not inside an engine (tests)
+    connector = get_kv_transfer_group()
+    if getattr(type(connector), "reports_kvd_load_errors", False):
+        return  # KvdConnector does it itself
+    connector.get_block_ids_with_load_errors = worker.take_load_errors  # type: ignore[method-assign]
+    log.info("kvd: reporting failed loads through %s; use KvdConnector to also get "
+             "kv_load_failure_policy=recompute set for you", type(connector).__name__)
+
+
+def _unusable(spec: LoadStoreSpec, blocks: np.ndarray, conn: Connection) -> str:
+    """Why a job cannot be sent as is ("" when it can)."""
+    if not isinstance(spec, KvdSlots):
+        return "foreign_spec"
+    if len(spec.slots) == 0 or len(spec.slots) != len(blocks):
+        return "empty" if len(spec.slots) == 0 else "length"
+    if not conn.up:
+        return "unavailable"
+    if spec.instance != conn.instance:  # slots of another daemon run: never touch them
+        return "stale_instance"
+    if (spec.slots == NO_SLOT).any():
+        return "no_slot"
+    return ""
+
+
+def _torch_index(blocks: np.ndarray, like: Any) -> Any:
+    import torch  # noqa: PLC0415
+
+    return torch.as_tensor(blocks, dtype=torch.long, device=like.device)

@@ -1,0 +1,285 @@
+"""kvd's vLLM manager and worker against a real daemon, without an engine.
+
+The manager is driven the way vLLM 0.32's scheduler drives it (a key-by-key scan that
+goes on after RETRY and stops at the first MISS, ``on_schedule_end`` once per step), with
+vLLM's own ReqContext; the worker gets CPU tensors shaped like vLLM's canonical KV caches.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+)
+
+from kvd_client.vllm import UnsupportedVllmVersion, check_vllm_version  # noqa: E402
+from kvd_client.vllm.fingerprint import (  # noqa: E402
+    EngineFacts,
+    LayoutError,
+    make_fingerprint,
+    split_pages,
+)
+from kvd_client.vllm.manager import KvdManager  # noqa: E402
+from kvd_client.vllm.spec import KvdOptions, KvdSlots  # noqa: E402
+from kvd_client.vllm.worker import KvdWorker  # noqa: E402
+from kvd_proto.messages import HostRegion  # noqa: E402
+
+HIT, MISS, RETRY, PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
+                             LookupResult.HIT_PENDING)
+PAGE = 4096
+NUM_BLOCKS = 32
+FACTS = EngineFacts(model="tiny", model_dtype="bfloat16", kv_dtype="bfloat16",
+                    block_tokens=128, tp_size=1, pp_size=1, block_bytes=2 * PAGE,
+                    num_layers=2, hash_algo="sha256", engine_id="engine-1")
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def keys_for(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{i}".encode().ljust(36, b".") for i in range(n)]
+
+
+def request(req_id: str, keys: list[bytes]) -> ReqContext:
+    ctx = ReqContext(req_id)
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (i + 1) * 128)
+    return ctx
+
+
+def scan(mgr: KvdManager, ctx: ReqContext, keys: list[bytes]) -> list[LookupResult]:
+    """vLLM's prefix scan: on after RETRY, stop at MISS."""
+    out = []
+    for k in keys:
+        out.append(mgr.lookup(k, ctx))
+        if out[-1] == MISS:
+            break
+    return out
+
+
+def answer(mgr: KvdManager, ctx: ReqContext, keys: list[bytes], timeout: float = 5):
+    """Scan once per 'step' until the answer is not deferred any more."""
+    deadline = time.monotonic() + timeout
+    while True:
+        res = scan(mgr, ctx, keys)
+        mgr.on_schedule_end(END)
+        if RETRY not in res or time.monotonic() > deadline:
+            return res
+        time.sleep(0.002)
+
+
+def options(socket: str, **kw) -> KvdOptions:
+    return KvdOptions(socket=socket, call_timeout_ms=1000, **kw)
+
+
+def kv_caches() -> tuple[CanonicalKVCaches, torch.Tensor]:
+    """Two layers, views of one allocation, like vLLM on CPU."""
+    storage = torch.randint(-128, 127, (2, NUM_BLOCKS, PAGE), dtype=torch.int8)
+    tensors = [CanonicalKVCacheTensor(storage[i], PAGE) for i in range(2)]
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=[]), storage
+
+
+def gpu(block_ids: list[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(block_ids, group_sizes=[len(block_ids)], block_indices=[0])
+
+
+@pytest.fixture
+def engine_side(daemon):
+    fp = make_fingerprint(FACTS, b"root")
+    caches, storage = kv_caches()
+    mgr = KvdManager(options(daemon.socket), fp, FACTS)
+    worker = KvdWorker(options(daemon.socket), fp, caches, rank=0)
+    assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
+    yield mgr, worker, storage
+    mgr.shutdown()
+    worker.shutdown()
+
+
+def store(mgr, worker, keys, blocks, job_id: int) -> None:
+    ctx = request(f"store-{job_id}", keys)
+    mgr.on_new_request(ctx)
+    out = mgr.prepare_store(keys, ctx)
+    assert out.keys_to_store == keys
+    assert worker.submit_store(job_id, gpu(blocks), out.store_spec)
+    worker.wait({job_id})
+    assert [r.job_id for r in worker.get_finished()] == [job_id]
+    mgr.on_request_finished(ctx)
+
+
+def test_lookup_batches_leases_and_loads_once(engine_side, daemon):
+    mgr, worker, storage = engine_side
+    keys = keys_for("a", 4)
+    ctx = request("r1-abc", keys)
+    mgr.on_new_request(ctx)
+    assert scan(mgr, ctx, keys) == [RETRY] * 4  # first scan: collect, do not block
+    lookups = daemon.status()["counters"]["lookups"]
+    assert answer(mgr, ctx, keys) == [MISS]
+    assert daemon.status()["counters"]["lookups"] == lookups + 1  # one batched Lookup
+
+    store(mgr, worker, keys, [1, 2, 3, 4], job_id=0)
+    again = mgr.prepare_store(keys, request("dup", keys))
+    assert again.keys_to_store == []  # kvd has them: nothing to store twice
+
+    ctx2 = request("r2-abc", keys + keys_for("z", 1))
+    mgr.on_new_request(ctx2)
+    assert answer(mgr, ctx2, keys + keys_for("z", 1)) == [HIT] * 4 + [MISS]
+    assert daemon.status()["blocks"]["leases"] == 1
+    spec = mgr.prepare_load(keys, ctx2)
+    storage[:, 10:14] = 0
+    assert worker.submit_load(1, spec, gpu([10, 11, 12, 13]))
+    worker.wait({1, 999})  # 999 was never submitted: ignored
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    assert worker.take_load_errors() == set()
+    assert torch.equal(storage[:, 10:14], storage[:, 1:5])
+    mgr.complete_load(keys, ctx2)
+    assert scan(mgr, ctx2, keys) == [MISS]  # a request loads from kvd at most once
+    deadline = time.monotonic() + 5
+    while daemon.status()["blocks"]["leases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert daemon.status()["blocks"]["leases"] == 0  # released after the load
+
+
+def test_lease_released_when_request_finishes(engine_side, daemon):
+    mgr, worker, _ = engine_side
+    keys = keys_for("b", 3)
+    store(mgr, worker, keys, [1, 2, 3], job_id=0)
+    ctx = request("r3", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT] * 3
+    assert daemon.status()["blocks"]["leases"] == 1
+    mgr.on_request_finished(ctx)
+    time.sleep(0.2)
+    assert daemon.status()["blocks"]["leases"] == 0
+
+
+def test_store_in_flight_is_hit_pending_then_hit(engine_side):
+    mgr, worker, _ = engine_side
+    keys = keys_for("c", 2)
+    writer = request("writer", keys)
+    mgr.on_new_request(writer)
+    out = mgr.prepare_store(keys, writer)
+    reader = request("reader", keys)
+    mgr.on_new_request(reader)
+    assert answer(mgr, reader, keys) == [PENDING, PENDING]  # vLLM defers the request
+    worker.submit_store(7, gpu([5, 6]), out.store_spec)
+    worker.wait({7})
+    deadline = time.monotonic() + 5
+    while (res := answer(mgr, reader, keys)) == [PENDING, PENDING]:  # asked every step
+        assert time.monotonic() < deadline
+    assert res == [HIT, HIT]
+
+
+def test_unanswered_lookup_is_a_miss_after_the_deadline(daemon):
+    mgr = KvdManager(options(daemon.socket, lookup_timeout_ms=200),
+                     make_fingerprint(FACTS, b"root"), FACTS)
+    try:
+        assert mgr.conn.wait_up(10)
+        keys = keys_for("d", 2)
+        ctx = request("r4", keys)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            assert scan(mgr, ctx, keys) == [RETRY, RETRY]
+            mgr.on_schedule_end(END)
+            assert scan(mgr, ctx, keys) == [RETRY, RETRY]
+            time.sleep(0.25)
+            assert scan(mgr, ctx, keys) == [MISS]
+            assert mgr.prepare_store(keys, ctx).keys_to_store == []  # skipped, not stuck
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert mgr.boundary.counts["lookup.deadline"] == 1
+    finally:
+        mgr.shutdown()
+
+
+def test_without_a_daemon_everything_degrades_at_once(tmp_path):
+    fp = make_fingerprint(FACTS, b"root")
+    sock = str(tmp_path / "absent.sock")
+    mgr = KvdManager(options(sock), fp, FACTS)
+    caches, _ = kv_caches()
+    worker = KvdWorker(options(sock), fp, caches, rank=0)
+    try:
+        keys = keys_for("e", 2)
+        ctx = request("r5", keys)
+        t0 = time.perf_counter()
+        assert scan(mgr, ctx, keys) == [MISS]  # no RETRY round while the breaker is open
+        assert mgr.prepare_store(keys, ctx).keys_to_store == []
+        slots = KvdSlots(np.array([0, 1]), "gone")
+        assert worker.submit_store(3, gpu([1, 2]), slots)
+        assert worker.submit_load(4, slots, gpu([3, 4]))
+        worker.wait({3, 4})
+        assert time.perf_counter() - t0 < 1
+        assert sorted((r.job_id, r.success) for r in worker.get_finished()) == [
+            (3, True), (4, True)]
+        assert worker.take_load_errors() == {3, 4}  # vLLM recomputes these blocks
+    finally:
+        mgr.shutdown()
+        worker.shutdown()
+
+
+def test_slots_of_a_previous_daemon_run_are_never_used(engine_side, daemon):
+    mgr, worker, storage = engine_side
+    keys = keys_for("f", 2)
+    ctx = request("r6", keys)
+    mgr.on_new_request(ctx)
+    out = mgr.prepare_store(keys, ctx)
+    daemon.restart()
+    assert worker.conn.wait_up(10)
+    deadline = time.monotonic() + 10
+    while worker.conn.instance == out.store_spec.instance and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.submit_store(8, gpu([1, 2]), out.store_spec)
+    worker.wait({8})
+    assert [r.job_id for r in worker.get_finished()] == [8]  # completed, as a skip
+    assert daemon.status()["counters"]["stored_blocks"] == 0
+
+
+def test_split_pages_describes_tensors_in_fingerprint_pages():
+    one = [HostRegion(1000, 8, 8192, 8192)]
+    assert split_pages(one, [4096, 4096]) == [HostRegion(1000, 8, 8192, 4096),
+                                              HostRegion(5096, 8, 8192, 4096)]
+    two = [HostRegion(0, 8, 4096, 4096), HostRegion(1 << 20, 8, 4096, 4096)]
+    assert split_pages(two, [4096, 4096]) == two
+    with pytest.raises(LayoutError):
+        split_pages(two, [8192])
+
+
+def test_slots_spec_pickles_small():
+    spec = KvdSlots(np.arange(7), "instance")
+    back = pickle.loads(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL))
+    assert back.slots.tolist() == list(range(7)) and back.instance == "instance"
+    assert len(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL)) < 200
+
+
+def test_unsupported_vllm_version_is_refused():
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.33.1")
+    with pytest.raises(UnsupportedVllmVersion, match="0.32 and 0.33.*0.31.2"):
+        check_vllm_version("0.31.2")
+
+
+def test_root_hash_is_vllms_or_engine_private():
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    from kvd_client.vllm.fingerprint import compute_root_hash
+
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
+    assert compute_root_hash("sha256", "e1") == bytes(kv_cache_utils.NONE_HASH)
+    # xxhash draws a random root per process unless PYTHONHASHSEED is set:
+    assert compute_root_hash("xxhash", "e1", environ={}) == b"engine:e1"
+    seeded = compute_root_hash("xxhash", "e1", environ={"PYTHONHASHSEED": "7"})
+    assert seeded == compute_root_hash("xxhash", "e2", environ={"PYTHONHASHSEED": "7"})
+    assert seeded != compute_root_hash("xxhash", "e1", environ={"PYTHONHASHSEED": "8"})

@@ -1,0 +1,91 @@
+"""kvd with a real vLLM engine: stores, loads, restarts, two engines, both engine modes.
+
+Every load is checked against a run without kvd: the greedy tokens of single-request
+runs must be identical, and vLLM must report the loaded prefix (num_cached_tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+from _model import long_prompt
+from conftest import kvd_transfer_config
+
+pytestmark = pytest.mark.e2e
+
+BLOCK_TOKENS = 128
+PROMPT = long_prompt(800)  # ~1000 tokens: 7 full blocks
+GEN = {"op": "generate", "prompt": PROMPT, "max_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, run_engine) -> dict:
+    """The plain engine's answer (no connector)."""
+    return run_engine({"model": str(tiny_model), "steps": [GEN]}).generations[0]
+
+
+def full_blocks(gen: dict) -> int:
+    return gen["prompt_len"] // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "multiprocess"])
+def test_store_reset_load_restart_and_second_engine(multiprocessing, tiny_model, expected,
+                                                      daemon, start_engine, run_engine,
+                                                      tmp_path):
+    """1: store, reset vLLM's cache, load (same engine). 3: a second engine running beside
+    the first loads what the first stored. 2: a new engine process hits at once."""
+    ktc = kvd_transfer_config(daemon.socket)
+    stored, second_done = tmp_path / "stored", tmp_path / "second-done"
+    base = {"model": str(tiny_model), "kv_transfer_config": ktc,
+            "multiprocessing": multiprocessing}
+    first = start_engine({**base, "steps": [
+        GEN, {"op": "touch", "path": str(stored)},
+        {"op": "wait_file", "path": str(second_done)},
+        {"op": "reset_prefix_cache"}, GEN]})
+    second = start_engine({**base, "steps": [
+        {"op": "wait_file", "path": str(stored)}, GEN,
+        {"op": "touch", "path": str(second_done)}]})
+    a, b = first.wait(), second.wait()
+    a_cold, a_loaded = a.generations
+    (b_loaded,) = b.generations
+    assert a_cold["num_cached_tokens"] == 0
+    for gen in (a_cold, a_loaded, b_loaded):
+        assert gen["token_ids"] == expected["token_ids"]
+        assert gen["finish_reason"] == "length"
+    assert a_loaded["num_cached_tokens"] == full_blocks(expected)  # loaded, not recomputed
+    assert b_loaded["num_cached_tokens"] == full_blocks(expected)
+    status = daemon.status()
+    assert status["counters"]["loaded_blocks"] >= 2 * full_blocks(expected) // BLOCK_TOKENS
+
+    # A restart: a new engine process, whose very first request hits kvd.
+    (restarted,) = run_engine({**base, "steps": [GEN]}).generations
+    assert restarted["num_cached_tokens"] == full_blocks(expected)
+    assert restarted["token_ids"] == expected["token_ids"]
+    # Both engines were one tenant.
+    assert len(daemon.status()["tenants"]) == 1
+
+
+def test_other_model_gets_no_hits(tiny_model, other_model, daemon, run_engine):
+    """5: blocks of one model are never served to another (a different fingerprint)."""
+    ktc = kvd_transfer_config(daemon.socket)
+    run_engine({"model": str(tiny_model), "kv_transfer_config": ktc, "steps": [GEN]})
+    plain = run_engine({"model": str(other_model), "steps": [GEN]}).generations[0]
+    hits_before = daemon.status()["counters"]["hit_blocks"]
+    (other,) = run_engine({"model": str(other_model), "kv_transfer_config": ktc,
+                           "steps": [GEN]}).generations
+    assert other["num_cached_tokens"] == 0
+    assert other["token_ids"] == plain["token_ids"]
+    status = daemon.status()
+    assert status["counters"]["hit_blocks"] == hits_before
+    assert len(status["tenants"]) == 2
+
+
+def test_standard_offloading_connector_path(tiny_model, expected, daemon, run_engine):
+    """The spec loads the standard way too: vLLM's OffloadingConnector + spec_name."""
+    ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"spec_name": "KvdOffloadingSpec",
+                                         "spec_module_path": "kvd_client.vllm",
+                                         "socket": daemon.socket}}
+    cold, loaded = run_engine({"model": str(tiny_model), "kv_transfer_config": ktc,
+                               "steps": [GEN, {"op": "reset_prefix_cache"}, GEN]}).generations
+    assert loaded["num_cached_tokens"] == full_blocks(expected)
+    assert cold["token_ids"] == loaded["token_ids"] == expected["token_ids"]
