@@ -154,3 +154,54 @@ def test_quota_on_pending_stores(daemon_factory):
         assert e.value.code == m.Code.BUSY
     finally:
         s.close()
+
+
+def test_oversized_messages_get_a_typed_error(daemon_factory):
+    import zmq
+
+    d = daemon_factory(start=False)
+    d.env = {"KVD_MAX_MESSAGE_BYTES": "65536"}
+    d.start()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{d.socket}")
+    s.send(m.encode(m.Lookup(41, [b"k" * 36] * 3000)))  # ~120 KB
+    assert s.poll(5000)
+    r = m.decode_reply(s.recv())
+    assert isinstance(r, m.Error) and r.code == m.Code.BAD_REQUEST and r.req == 41
+    assert "max_message_bytes" in r.message
+    s.close()
+    ctx.term()
+
+
+def test_a_hung_client_is_dropped_after_its_heartbeats_stop(daemon_factory):
+    import signal
+    import time
+
+    d = daemon_factory(start=False)
+    d.env = {"KVD_CLIENT_TIMEOUT_MS": "1500"}
+    d.start()
+    spec = Spec(d.socket, pages=(4096,))
+    s = scheduler(d, spec)
+    w = Worker(spec)
+    try:
+        slots = allocate(s, keys(2))
+        assert w.store(1, range(2), slots)[1] == 0
+        hung = Worker(spec)
+        assert hung.call("raw", m.Lookup, {"keys": keys(2)})[1].hits == 2
+        hung.call("raw", m.Allocate, {"keys": keys(2, "h")})
+        assert d.status()["blocks"]["pinned"] == 2
+        os.kill(hung.proc.pid, signal.SIGSTOP)  # alive (its pid stays), but silent
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            b = d.status()["blocks"]
+            if b["pinned"] == 0 and b["pending"] == 0:
+                break
+            time.sleep(0.1)
+        assert (b["pinned"], b["pending"]) == (0, 0)
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.kill()
+    finally:
+        w.close()
+        s.close()
