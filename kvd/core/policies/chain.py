@@ -151,9 +151,14 @@ class ChainPolicy(EvictionPolicy):
             return
         self._age += n * self._tick
         kind, again = self._kind, self._again
-        for key in keys:
-            again[kind[key]] += 1.0
-        kind.update(dict.fromkeys(keys, HIT))
+        kinds = list(map(kind.__getitem__, keys))
+        hit = kinds.count(HIT)  # counted in C; kinds are the three small ints
+        again[HIT] += hit
+        if hit != n:  # keys hit before need no update: the common case on reuse
+            fresh = kinds.count(FRESH)
+            again[FRESH] += fresh
+            again[NEXT] += n - hit - fresh
+            kind.update(dict.fromkeys(keys, HIT))
         self._count(HIT, n)
         self._hit_end = depth + n
         self._next_depth = -1

@@ -14,6 +14,8 @@ k victims costs O(k + runs scanned * log runs).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import heapq
 from collections.abc import Iterator, Sequence
 from itertools import islice
@@ -54,11 +56,17 @@ class RunHeap:
             self._restore()
         where = self._where
         unique = list(dict.fromkeys(keys))  # a key offered twice would be evicted twice
-        if not new:
-            for key in unique:  # moved keys leave their old entries
-                old = where.get(key)
+        if not new:  # moved keys leave their old entries (counted per entry, in C)
+            olds = list(map(where.get, unique))
+            first = olds[0] if olds else None
+            if olds.count(first) == len(olds):  # one old entry (or none): a re-hit run
+                groups: dict[int, tuple[list, int]] = {id(first): (first, len(olds))}
+            else:
+                by_id = dict(zip(map(id, olds), olds))
+                groups = {eid: (by_id[eid], c) for eid, c in Counter(map(id, olds)).items()}
+            for old, moved in groups.values():
                 if old is not None:
-                    old[LIVE] -= 1
+                    old[LIVE] -= moved
                     if not old[LIVE]:
                         self._entries -= 1
         self._seq += 1
