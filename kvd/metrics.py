@@ -47,6 +47,7 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_loaded_blocks", "loaded_blocks", "Blocks copied out of the pool"),
     ("kvd_loaded_bytes", "loaded_bytes", "Bytes copied out of the pool"),
     ("kvd_evicted_blocks", "evicted_blocks", "Blocks evicted (policy or admin)"),
+    ("kvd_evicted_bytes", "evicted_bytes", "Bytes of the slots evicted blocks held"),
     ("kvd_failed_stores", "failed_stores", "Stores aborted before READY"),
     ("kvd_failed_transfers", "failed_transfers", "Transfers that completed with an error"),
     ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),

@@ -58,7 +58,9 @@ class Eviction:
         ]
         for key in victims:
             self.policy.remove(key)
-            self._drop_entry(self.entries[key])
+            slot = self.entries[key]
+            self.counters.evicted_bytes += self._slot_tenant[slot].slot_bytes
+            self._drop_entry(slot)
         self.counters.evicted_blocks += len(victims)
         return len(victims)
 
@@ -124,6 +126,10 @@ class Eviction:
         deque(map(self.entries.__delitem__, keys), maxlen=0)
         tenants = list(map(self._slot_tenant.pop, slots))
         plain = [key[4:] for key in keys]
+        if victims:
+            one = tenants.count(tenants[0]) == len(tenants)
+            self.counters.evicted_bytes += (tenants[0].slot_bytes * len(slots) if one
+                                            else sum(t.slot_bytes for t in tenants))
         is_ready = [True] * len(slots) if ready is None else ready.tolist()
         if tenants.count(tenants[0]) == len(tenants):  # one tenant, the usual case
             tid = tenants[0].id

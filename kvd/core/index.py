@@ -59,6 +59,7 @@ class IndexCounters:
     hit_blocks: int = 0
     stored_blocks: int = 0
     evicted_blocks: int = 0
+    evicted_bytes: int = 0
     failed_stores: int = 0
     expired_leases: int = 0
     expired_pending: int = 0

@@ -70,6 +70,7 @@ def test_pinned_blocks_survive_eviction_and_full_pool_says_so():
     r = ix.allocate(t, [k(10), k(11), k(12)])
     assert r.allocated == 2 and sorted(r.evicted) == [k(2), k(3)]
     assert ix.counters.no_space == 1
+    assert ix.counters.evicted_bytes == 2 * BLOCK
     assert ix.lookup(t, [k(0), k(1)])[0] == 2
     ix.release(lease)
 
