@@ -42,6 +42,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     mlock: bool = False
     policy: str = ""  # empty: the registry's default
     copy_threads: int = 2
+    copy_nice: int = 10  # niceness of the copy threads: engines on the same cores win
     cuda: bool = True  # use the GPU data path when a CUDA device is usable
     persist: bool = False  # keep the pool file and an index journal across restarts
     journal_path: str = ""  # empty: <pool_path>.journal
@@ -69,6 +70,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             )
         if self.copy_threads < 1:
             raise ValueError("copy_threads must be at least 1")
+        if not 0 <= self.copy_nice <= 19:
+            raise ValueError(f"copy_nice {self.copy_nice} not in 0..19")
         if self.min_slot_bytes < 64:
             raise ValueError("min_slot_bytes must be at least 64")
         if not 0 <= self.metrics_port <= 65535:

@@ -48,6 +48,7 @@ class Server:
                              lock=config.mlock, keep=config.persist)
         self.engines: dict[str, TransferEngine] = {
             "host": HostEngine(self._engine_done, threads=config.copy_threads,
+                               nice=config.copy_nice,
                                pool=self.pool.array),
             "client_copy": ClientCopyEngine(self._engine_done),
         }

@@ -108,9 +108,10 @@ class HostEngine(TransferEngine):
     name = "host"
 
     def __init__(self, on_done: DoneCallback, threads: int = 2,
-                 pool: np.ndarray | None = None) -> None:
+                 pool: np.ndarray | None = None, nice: int = 0) -> None:
         super().__init__(on_done)
         self.pool = pool  # the daemon's pool mapping, for checksums
+        self.nice = nice
         self._q: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -150,6 +151,13 @@ class HostEngine(TransferEngine):
                 self._q.put(_Chunk(job, lo, hi, state))
 
     def _run(self) -> None:
+        if self.nice:
+            # Copies share the node's cores with the engines: let a busy engine win the
+            # core (an idle one, waiting for its load, leaves the core to the copy).
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError:
+                pass
         while True:
             chunk = self._q.get()
             if chunk is None:
