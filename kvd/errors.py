@@ -4,8 +4,8 @@
     ├── RequestError        the request is wrong: answer it with a typed error
     │   ├── NotRegistered
     │   └── BadIds
-    ├── NoSpace             degrade: the pool cannot take more right now
-    └── TransferError       a copy failed (permission, client gone, bad address)
+    ├── TransferError       a copy failed (permission, client gone, bad address)
+    └── ConfigError         the configuration is invalid: refuse to start
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ class NotRegistered(RequestError):
 
 class BadIds(RequestError):
     code = Code.BAD_IDS
-
-
-class NoSpace(KvdError):
-    code = Code.NO_SPACE
 
 
 class TransferError(KvdError):

@@ -65,9 +65,6 @@ class Pool:
                     os.strerror(ctypes.get_errno()))
         return False
 
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        return self.array[offset:offset + nbytes]
-
     def close(self, unlink: bool | None = None) -> None:
         self.array = None  # type: ignore[assignment]
         try:

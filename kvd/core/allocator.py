@@ -202,10 +202,3 @@ class Allocator:
         s = slots.astype(np.int64, copy=False)
         e, i = np.divmod(s, self.slots_per_extent_max)
         return e * self.extent_bytes + i * slot_bytes
-
-    def extent_of(self, slot: int) -> int:
-        return slot // self.slots_per_extent_max
-
-    def extent_class_bytes(self, extent: int) -> int | None:
-        sc = self._extent_class[extent]
-        return sc.slot_bytes if sc else None

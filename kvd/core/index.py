@@ -415,11 +415,6 @@ class Index(Eviction):
         self.counters.expired_pending += len(stale)
         return len(old), len(stale)
 
-    def next_deadline(self) -> float | None:
-        ds = [lease.deadline for lease in self._leases.values()]
-        ds += [p.deadline for p in self._pending.values()]
-        return min(ds) if ds else None
-
     def drop_owner(self, owner: int) -> tuple[int, int]:
         """A client went away: release its leases and its PENDING stores."""
         self.flush()
