@@ -149,8 +149,9 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False) -> Sim
             flush()
         if hits == len(keys):
             continue
-        res = allocate(tenant, keys[hits:], depth=hits)
-        slots = [s for s in res.slots if s != NO_SLOT]
+        slots = allocate(tenant, keys[hits:], depth=hits).slots
+        if NO_SLOT in slots:
+            slots = [s for s in slots if s != NO_SLOT]
         if slots:
             store_done(np.array(slots, dtype=np.int64), 0)
     seconds = time.perf_counter() - t0

@@ -8,13 +8,13 @@ free again (never while a copy or a lease still pins it).
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvd.core.states import FREE, READY
-from kvd.core.tenants import Tenant
+from kvd.core.tenants import Tenant, unscoped
 
 if TYPE_CHECKING:
     from kvd.core.allocator import Allocator
@@ -70,9 +70,9 @@ class Eviction:
         want = tenant.slot_bytes
         chosen: list[bytes] = []
         entries, pin_of, bytes_of = self.entries, self.pins.item, self.allocator.slot_bytes_of
-        if self.allocator.size_classes == 1 and not self._pin_calls:
-            chosen = list(islice(self.policy.victims(), need))  # any victim will do
-        elif self.allocator.size_classes == 1:  # every READY block has this size
+        if self.allocator.size_classes == 1 and not self._pin_calls:  # any will do
+            return self._evict_keys(self.policy.evict(need), tenant, out, told=True)
+        if self.allocator.size_classes == 1:  # every READY block has this size
             for key in self.policy.victims():
                 if pin_of(entries[key]) == 0:
                     chosen.append(key)
@@ -101,19 +101,21 @@ class Eviction:
                 break
         return n
 
-    def _evict_keys(self, keys: list[bytes], tenant: Tenant, out: list[bytes]) -> int:
-        pfx = tenant.prefix
-        entries = self.entries
-        slots = [entries[key] for key in keys]
-        self.policy.evicted_many(keys)
-        out.extend([key[4:] for key in keys if key[:4] == pfx])
-        self._drop_entries(slots, victims=True)
+    def _evict_keys(self, keys: list[bytes], tenant: Tenant, out: list[bytes],
+                    told: bool = False) -> int:
+        """Evict ``keys`` (offered by the policy; ``told``: it already evicted them)."""
+        slots = list(map(self.entries.__getitem__, keys))
+        if not told:
+            self.policy.evicted_many(keys)
+        self._drop_entries(slots, victims=True, caller=tenant, out=out)
         self.counters.evicted_blocks += len(keys)
         return len(keys)
 
-    def _drop_entries(self, slots: list[int], victims: bool = False) -> None:
+    def _drop_entries(self, slots: list[int], victims: bool = False,
+                      caller: Tenant | None = None, out: list[bytes] | None = None) -> None:
         """``_drop_entry`` for many slots, with one numpy call per array. ``victims``:
-        the slots are READY and unpinned (eviction checked), so no need to look."""
+        the slots are READY and unpinned (eviction checked), so no need to look; the
+        keys of ``caller`` among them are appended to ``out``."""
         if not slots:
             return
         arr = np.array(slots, dtype=np.int64)
@@ -125,17 +127,18 @@ class Eviction:
         keys = list(map(self._slot_key.pop, slots))
         deque(map(self.entries.__delitem__, keys), maxlen=0)
         tenants = list(map(self._slot_tenant.pop, slots))
-        plain = [key[4:] for key in keys]
-        if victims:
-            one = tenants.count(tenants[0]) == len(tenants)
-            self.counters.evicted_bytes += (tenants[0].slot_bytes * len(slots) if one
-                                            else sum(t.slot_bytes for t in tenants))
+        plain = list(map(unscoped, keys))
         is_ready = [True] * len(slots) if ready is None else ready.tolist()
-        if tenants.count(tenants[0]) == len(tenants):  # one tenant, the usual case
+        one = tenants.count(tenants[0]) == len(tenants)  # one tenant, the usual case
+        if out is not None and caller is not None:
+            cid = caller.id
+            out.extend(plain if one and tenants[0].id == cid
+                       else [k for k, t in zip(plain, tenants) if t.id == cid])
+        if one:
             tid = tenants[0].id
             deque(map(self._spaces[tid].__delitem__, plain), maxlen=0)
             ready_map = self._ready.get(tid, {})
-            deque(map(ready_map.pop, plain, [None] * len(plain)), maxlen=0)
+            deque(map(ready_map.pop, plain, repeat(None)), maxlen=0)
             tenants[0].blocks -= is_ready.count(True)
         else:
             for t, key, r in zip(tenants, plain, is_ready):
@@ -148,6 +151,9 @@ class Eviction:
                     self.checksums.pop(slot, None)
                     if self.record:
                         self.events.append(("drop", slot))
+        if victims:
+            self.counters.evicted_bytes += (tenants[0].slot_bytes * len(slots) if one
+                                            else sum(t.slot_bytes for t in tenants))
         self.state[arr] = FREE
         free = slots
         if pinned is not None and pinned.any():  # copies in flight: freed once unpinned

@@ -20,7 +20,7 @@ from kvd.core.allocator import Allocator
 from kvd.core.eviction import Eviction
 from kvd.core.states import FREE, NO_SLOT, PENDING, READY
 from kvd.core.policies.base import EvictionPolicy
-from kvd.core.tenants import Tenant
+from kvd.core.tenants import Tenant, unscoped
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
@@ -229,7 +229,10 @@ class Index(Eviction):
         self.flush()
         pfx = tenant.prefix
         ns = self._spaces.setdefault(tenant.id, {})
-        new = [i for i, k in enumerate(keys) if k not in ns]
+        if True in map(ns.__contains__, keys):
+            new = [i for i, k in enumerate(keys) if k not in ns]
+        else:  # the usual case: nothing stored yet (checked in C)
+            new = list(range(len(keys)))
         if len(set(keys)) < len(keys):  # a repeated key gets one slot, at its first place
             first: dict[bytes, int] = {}
             new = [i for i in new if first.setdefault(keys[i], i) == i]
@@ -250,7 +253,7 @@ class Index(Eviction):
         if got:  # dict updates and one numpy call per array, not a loop per slot
             fresh = len(new) == len(keys)  # the usual case: nothing stored, no repeats
             plain = list(keys[:len(got)]) if fresh else [keys[i] for i in new]
-            scoped = [pfx + k for k in plain]
+            scoped = list(map(pfx.__add__, plain))
             ns.update(zip(plain, got))
             self.entries.update(zip(scoped, got))
             self._slot_key.update(zip(got, scoped))
@@ -297,8 +300,11 @@ class Index(Eviction):
                 and len(set(order)) == len(order):
             # The usual case: the slots of one Allocate, no repeats: decide in numpy.
             p = ps[0]
-            full = self.rank_mask[s] == np.uint64(p.tenant.full_mask)
-            ready = order if full.all() else s[full].tolist()
+            if p.tenant.full_mask == 1 << rank:  # one rank (no TP): all are done
+                ready = order
+            else:
+                full = self.rank_mask[s] == np.uint64(p.tenant.full_mask)
+                ready = order if full.all() else s[full].tolist()
             deque(map(pending.pop, ready), maxlen=0)
             owners = [p] * len(ready)
         else:
@@ -309,7 +315,7 @@ class Index(Eviction):
                     ready.append(slot)
                     owners.append(p)
         if ready:
-            arr = np.array(ready, dtype=np.int64)
+            arr = s if ready is order else np.array(ready, dtype=np.int64)
             self.state[arr] = READY
             self._commit(ready, owners, self._depth[arr].tolist())
         self.counters.stored_blocks += len(ready)
@@ -330,7 +336,7 @@ class Index(Eviction):
                     end += 1
             self.policy.insert_many(keys[start:end], d0, p.length)
             ready = self._ready.setdefault(p.tenant.id, {})
-            ready.update(zip([k[4:] for k in keys[start:end]], slots[start:end]))
+            ready.update(zip(map(unscoped, keys[start:end]), slots[start:end]))
             p.tenant.blocks += end - start
             self._count(self.pending_by, p.owner, start - end)
             start = end

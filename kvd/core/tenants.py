@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 
@@ -26,6 +27,11 @@ def fingerprint_digest(fields: dict[str, Any]) -> str:
         h.update(value if isinstance(value, bytes) else repr(value).encode())
         h.update(b";")
     return h.hexdigest()[:16]
+
+
+# Index keys are the tenant's 4-byte prefix + the client's key; this strips the prefix
+# (mapped over many keys in C).
+unscoped = itemgetter(slice(4, None))
 
 
 @dataclass

@@ -6,6 +6,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
+from itertools import islice
 from typing import ClassVar
 
 Key = Hashable
@@ -27,8 +28,11 @@ class EvictionPolicy(ABC):
     - ``victims()`` yields inserted keys, best victim first, without changing state.
       The caller may skip keys it cannot evict (pinned) and stops early; it must not
       call other methods while iterating.
-    - ``evicted(key)`` (or ``evicted_many(keys)``, the same for each in order) after the caller evicted a key that ``victims()`` offered;
-      ``remove(key)`` when a key leaves for another reason (flush, failed checksum).
+    - ``evicted(key)`` (or ``evicted_many(keys)``, the same for each in order) after
+      the caller evicted a key that ``victims()`` offered; ``remove(key)`` when a key
+      leaves for another reason (flush, failed checksum).
+    - ``evict(n)`` is ``evicted_many`` of the first ``n`` keys of ``victims()``, which
+      it returns: the caller's path when it may evict any key (none is pinned).
     - ``capacity`` is the cache size in blocks; ``set_capacity`` may change it.
     - No I/O, no clock: the same calls give the same decisions (the simulator relies
       on it).
@@ -66,6 +70,12 @@ class EvictionPolicy(ABC):
         """``evicted`` on each key in order (the index evicts a request's worth at once);
         policies override it only to do the same work faster."""
         deque(map(self.evicted, keys), maxlen=0)
+
+    def evict(self, n: int) -> list[Key]:
+        """The ``n`` best victims, evicted; policies override it only to be faster."""
+        keys = list(islice(self.victims(), n))
+        self.evicted_many(keys)
+        return keys
 
     def set_capacity(self, capacity: int) -> None:
         self.capacity = max(1, capacity)

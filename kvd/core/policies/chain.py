@@ -32,8 +32,9 @@ run (``RunHeap``): O(log n) per request plus O(1) per block; reads no clock.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from itertools import compress, repeat
 
 from kvd.core.policies.base import EvictionPolicy, Key
 from kvd.core.policies.runheap import RunHeap
@@ -86,11 +87,11 @@ class ChainPolicy(EvictionPolicy):
 
     def _returned(self, kinds: Sequence[int]) -> None:
         """Ghosts of these kinds were stored again: move the length factor's power."""
-        hit = kinds.count(HIT)
-        unhit, evicted = len(kinds) - hit, self._evicted
         step = self.step / self.capacity
-        s = self._strength + step * (hit * evicted[0] / evicted[1] - unhit)
-        self._strength = min(1.0, max(0.0, s))
+        up, s = step * self._evicted[0] / self._evicted[1], self._strength
+        for kind in kinds:  # clamped at each step, as one key at a time would be
+            s = min(1.0, s + up) if kind == HIT else max(0.0, s - step)
+        self._strength = s
 
     def _odds(self, kind: int) -> float:
         p = self._again[kind] / self._entered[kind]
@@ -109,25 +110,36 @@ class ChainPolicy(EvictionPolicy):
             self._start_run(depth, length)
         self._next_depth = depth + n
         self._age += n * self._tick
-        ghost = self._ghost
-        if ghost and any(map(ghost.__contains__, keys)):
-            # Stored again soon after its eviction: it was reused, as a hit is.
-            back = [k for k in keys if k in ghost]
-            again, kinds = self._again, list(map(ghost.pop, back))
-            for k in kinds:
-                again[k] += 1.0
-            self._returned(kinds)
-            self._count(HIT, len(back))
-            self._kind.update(dict.fromkeys(back, HIT))
-            prio = self._run_base + self.reused
-            for i, key in enumerate(keys):  # each its own entry, in the run's order
-                if self._kind.get(key) == HIT and key in back:
-                    self._heap.push_run((key,), prio, -depth - i, new=True)
-            keys = [k for k in keys if k not in back]
-        if keys:
-            self._count(self._run_kind, len(keys))
-            self._kind.update(dict.fromkeys(keys, self._run_kind))
+        ghost, kind = self._ghost, self._kind
+        if not ghost or not any(map(ghost.__contains__, keys)):
+            self._count(self._run_kind, n)
+            kind.update(dict.fromkeys(keys, self._run_kind))
             self._heap.push_run(keys, self._run_prio, -depth - n, new=True)
+            return
+        # Stored again soon after its eviction: it was reused, as a hit is.
+        returned = list(map(ghost.__contains__, keys))
+        back = list(compress(keys, returned))
+        rest = list(compress(keys, [not r for r in returned]))
+        again, kinds = self._again, list(map(ghost.pop, back))
+        for k in kinds:
+            again[k] += 1.0
+        self._returned(kinds)
+        self._count(HIT, len(back))
+        kind.update(dict.fromkeys(back, HIT))
+        self._count(self._run_kind, len(rest))
+        kind.update(dict.fromkeys(rest, self._run_kind))
+        # Ties are -(depth + 1) of an entry's deepest key, so entries of one priority
+        # leave deepest first, as keys stored one by one would; equal priorities share
+        # one entry for the same reason.
+        prio = self._run_base + self.reused
+        if prio == self._run_prio:
+            self._heap.push_run(keys, prio, -depth - n, new=True)
+            return
+        deepest = n - 1 - returned[::-1].index(True)
+        self._heap.push_run(back, prio, -depth - deepest - 1, new=True)
+        if rest:
+            deepest = n - 1 - returned[::-1].index(False)
+            self._heap.push_run(rest, self._run_prio, -depth - deepest - 1, new=True)
 
     def _start_run(self, depth: int, length: int) -> None:
         """A run of stores shares one priority, so its blocks leave deepest first; all
@@ -174,7 +186,15 @@ class ChainPolicy(EvictionPolicy):
             self.evicted_many((key,))
 
     def evicted_many(self, keys: Sequence[Key]) -> None:
-        top = self._heap.discard_many(keys)  # from victims(): present, once each
+        self._forget(keys, self._heap.discard_many(keys))  # present, once each
+
+    def evict(self, n: int) -> list[Key]:
+        keys, top = self._heap.pop_many(n)
+        self._forget(keys, top)
+        return keys
+
+    def _forget(self, keys: Sequence[Key], top: float | None) -> None:
+        """Evicted ``keys``, the highest of whose priorities was ``top``."""
         if top is None:
             return
         self._floor = max(self._floor, top - self._age)
@@ -187,9 +207,9 @@ class ChainPolicy(EvictionPolicy):
         if evicted[0] + evicted[1] > WINDOW:
             evicted[0] *= 0.5
             evicted[1] *= 0.5
-        limit = self.ghost * self.capacity
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
+        over = len(ghost) - int(self.ghost * self.capacity)
+        if over > 0:  # oldest first, in C
+            deque(map(ghost.popitem, repeat(False, over)), maxlen=0)
 
     def set_capacity(self, capacity: int) -> None:
         super().set_capacity(capacity)

@@ -14,7 +14,7 @@ k victims costs O(k + runs scanned * log runs).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 import heapq
 from collections.abc import Iterator, Sequence
@@ -51,12 +51,16 @@ class RunHeap:
     def push_run(self, keys: Sequence[Key], priority: float, tie: int = 0,
                  new: bool = False) -> None:
         """Put ``keys`` (prefix order) in one new entry; they leave last key first.
-        ``new`` promises that none of them is in the heap (skips a lookup per key)."""
+        ``new`` promises that none of them is in the heap and none repeats (skips a
+        lookup per key)."""
         if self._held:
             self._restore()
         where = self._where
-        unique = list(dict.fromkeys(keys))  # a key offered twice would be evicted twice
-        if not new:  # moved keys leave their old entries (counted per entry, in C)
+        if new:
+            unique = list(keys)
+        else:
+            unique = list(dict.fromkeys(keys))  # a key offered twice: evicted twice
+            # Moved keys leave their old entries (counted per entry, in C).
             olds = list(map(where.get, unique))
             first = olds[0] if olds else None
             if olds.count(first) == len(olds):  # one old entry (or none): a re-hit run
@@ -103,6 +107,37 @@ class RunHeap:
                 top = entry[PRIO]
         self._entries -= dead
         return top
+
+    def pop_many(self, n: int) -> tuple[list[Key], float | None]:
+        """The first ``n`` keys of ``ordered()``, discarded, and their highest priority:
+        ``discard_many`` of them, taking whole runs at a time."""
+        if self._held:
+            self._restore()
+        heap, where, out, top = self._heap, self._where, [], None
+        while len(out) < n and heap:
+            e = heap[0]
+            if e[LIVE] <= 0:
+                heapq.heappop(heap)
+                continue
+            keys, start, want = e[KEYS], e[START], n - len(out)
+            take = keys[start:start + want]
+            if list(map(where.get, take)).count(e) == len(take):  # all live: the usual
+                end = start + len(take)
+            else:  # some keys left this entry: walk it
+                take, end = [], start
+                while len(take) < want and end < len(keys):
+                    if where.get(keys[end]) is e:
+                        take.append(keys[end])
+                    end += 1
+            deque(map(where.pop, take), maxlen=0)
+            out.extend(take)
+            top = e[PRIO]
+            e[LIVE] -= len(take)
+            e[START] = end
+            if not e[LIVE]:
+                heapq.heappop(heap)
+                self._entries -= 1
+        return out, top
 
     def priority(self, key: Key) -> float:
         return self._where[key][PRIO]
