@@ -41,6 +41,7 @@ class ClientStats:
     remote_errors: int = 0
     reconnects: int = 0
     lost_transfers: int = 0
+    wakeups: int = 0  # of the I/O thread: what an engine pays while kvd is away
 
 
 class Connection:
@@ -182,6 +183,7 @@ class _IO:
         self.ping_req = 0
         self.ping_sent = 0.0
         self.hello_sent = False
+        self.hello_poll = 10  # twice the next wait for the Hello to go out, in ms
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -193,6 +195,7 @@ class _IO:
             if self.phase == "down" and now >= self.next_attempt:
                 self.connect(poller)
             events = dict(poller.poll(self.poll_ms(now)))
+            c.stats.wakeups += 1
             if c._wake in events:
                 try:
                     os.eventfd_read(c._wake)
@@ -208,7 +211,10 @@ class _IO:
         if self.phase == "down":
             return max(1, int((self.next_attempt - now) * 1000))
         if self.phase == "hello" and not self.hello_sent:
-            return 5
+            # No daemon behind the socket yet: retry the Hello at 5 ms, backing off to
+            # 100 ms, so an engine whose daemon is down is not woken 200 times a second.
+            self.hello_poll = min(self.hello_poll * 2, 200)
+            return self.hello_poll // 2
         return 100
 
     def connect(self, poller: zmq.Poller) -> None:
@@ -228,6 +234,7 @@ class _IO:
         self.handshake_req = c.next_req()
         self.last_rx = time.monotonic()
         self.hello_sent = False
+        self.hello_poll = 10
         self.send_hello()
 
     def send_hello(self) -> None:
