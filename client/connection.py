@@ -158,6 +158,7 @@ class Connection:
 
     # ------------------------------------------------------------ I/O thread
     def _run(self) -> None:
+        _leave_compute_cpus()  # first: zmq's own threads, started below, inherit it
         io = _IO(self)
         try:
             io.loop()
@@ -417,6 +418,21 @@ class _IO:
         self.lost("connection closed", quiet=True)
         if self.sock is not None:
             self.sock.close(linger=0)
+
+
+def _leave_compute_cpus() -> None:
+    """Run this thread on the CPUs the engine keeps free, not its compute CPUs.
+
+    vLLM's CPU workers pin every thread to their compute cores and leave others to the
+    scheduler and helpers; a thread the worker starts inherits the pin and would take
+    time slices from the model. The free CPUs are those the parent process may use and
+    this thread may not; without a pin there are none and nothing changes."""
+    try:
+        spare = os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
+        if spare:
+            os.sched_setaffinity(0, spare)
+    except OSError:  # no such parent, or not allowed: stay where we are
+        pass
 
 
 def _allow_ptrace(daemon_pid: int) -> None:

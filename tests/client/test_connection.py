@@ -3,7 +3,12 @@ hangs and comes back."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -47,6 +52,30 @@ def test_an_absent_daemon_costs_the_engine_few_wakeups(tmp_path):
         assert 0 < c.stats.wakeups < 40, c.stats
     finally:
         c.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_io_thread_leaves_the_compute_cpu_it_was_started_from(tmp_path):
+    """A vLLM CPU worker pins its threads to its compute core; the client's I/O thread
+    (and zmq's, started from it) must run on the CPUs left free for helpers."""
+    code = textwrap.dedent("""
+        import json, os, threading, time
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[0]})  # as vLLM pins its worker
+        from kvd_client import Connection
+        c = Connection(%r, timeout=5)
+        time.sleep(0.3)
+        io = {t.native_id for t in threading.enumerate() if t.name == "kvd-client-io"}
+        zmq_threads = [int(t) for t in os.listdir("/proc/self/task")
+                       if open(f"/proc/self/task/{t}/comm").read().startswith("ZMQbg")]
+        print(json.dumps({"io": sorted(os.sched_getaffinity(io.pop())), "pinned": cpus[0],
+                          "zmq": [sorted(os.sched_getaffinity(t)) for t in zmq_threads]}))
+        c.close()
+    """ % str(tmp_path / "nobody.sock"))
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                    text=True, timeout=60, check=True).stdout)
+    assert out["io"] and out["pinned"] not in out["io"], out
+    assert out["zmq"] and all(out["pinned"] not in cpus for cpus in out["zmq"]), out
 
 
 def test_reconnects_and_reregisters_after_a_daemon_restart(daemon):
