@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,7 @@ class DaemonProc:
         for path in (self.pool_path, self.pool_path + ".journal"):
             if os.path.exists(path):
                 os.unlink(path)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @contextmanager
@@ -97,6 +99,29 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """``cpu_seconds`` of a process and all its live descendants (a vLLM engine with
+    its engine-core and worker processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += cpu_seconds(p)
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return total
 
 
 def rss_bytes(pid: int) -> int:

@@ -5,7 +5,9 @@
    after ``reset_prefix_cache()`` dropped the engine's copy. Targets: kvd load
    <= 0.10 x recompute and <= 2 x the local hit.
 2. Throughput of a workload without reuse (every prompt new: kvd only stores, every
-   lookup misses), with kvd against without. Target: >= 0.97.
+   lookup misses), with kvd against without. Target: >= 0.97. The engines run side
+   by side and take turns batch by batch, so each ratio compares batches run moments
+   apart (this machine's speed drifts by +-10 % over seconds and minutes).
 
 The model is a random-weight Llama built offline (tests/e2e/_model.py), sized so an
 8k-token prefill takes over a second here. Engines run in-process
@@ -13,7 +15,7 @@ The model is a random-weight Llama built offline (tests/e2e/_model.py), sized so
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so runs with and without a connector get the same
 cores. Run from the repository root::
 
-    .venv/bin/python scripts/bench_vllm.py [--repeat 5] [--json out.json]
+    .venv/bin/python scripts/bench_vllm.py [--repeat 5] [--blocks 3 --rounds 4] [--json F]
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _bench import cpu_seconds, daemon  # noqa: E402
+from _bench import cpu_seconds, daemon, tree_cpu_seconds  # noqa: E402
 from _engine import RESULT_PREFIX  # noqa: E402
 from _model import build_tiny_model  # noqa: E402
 
@@ -95,45 +99,99 @@ def ttft(model: Path, sock: str, repeat: int) -> dict:
     return out
 
 
-def throughput(model: Path, sock: str, daemon_pid: int, repeat: int) -> dict:
-    """Tokens per wall second (best batch per engine) and per CPU second (all batches;
-    with kvd the daemon's CPU time counts too). CPU cost is the figure that survives a
-    shared machine: other tenants' load stretches wall time, not our CPU seconds.
-    A third variant, KvdConnector with no daemon behind its socket, separates vLLM's
-    offloading-connector bookkeeping from what talking to kvd costs."""
-
-    def run(variant: str, seed: int) -> tuple[float, float]:
-        steps = [gen(prompt(seed * 1000 + 999, 256))]  # warm-up
-        for b in range(3):
-            prompts = [prompt(seed * 1000 + b * 100 + i, 1024) for i in range(16)]
-            steps.append({"op": "generate", "max_tokens": 32,
-                          "prompts": [{"prompt_token_ids": p} for p in prompts]})
-        config = {"model": str(model), "steps": steps}
-        if variant != "without":
-            config["kv_transfer_config"] = kvd_config(
-                sock if variant == "with" else sock + ".absent")
-        daemon_cpu = cpu_seconds(daemon_pid)
-        batches = [r for r in engine(config) if r.get("op") == "generate"][1:]
-        daemon_cpu = cpu_seconds(daemon_pid) - daemon_cpu  # stores (0 without kvd)
-        tokens = [sum(o["prompt_len"] + len(o["token_ids"]) for o in b["outputs"])
-                  for b in batches]
-        best = max(t / b["elapsed_s"] for t, b in zip(tokens, batches))
-        per_cpu = sum(tokens) / (sum(b["cpu_s"] for b in batches) + daemon_cpu)
-        return best, per_cpu
-
-    runs: dict[str, list[tuple[float, float]]] = {"with": [], "without": [], "absent": []}
-    for i in range(repeat):  # interleaved: machine noise hits every variant alike
-        runs["without"].append(run("without", 10 + i))
-        runs["with"].append(run("with", 20 + i))
-        runs["absent"].append(run("absent", 30 + i))
-    out: dict = {"samples": runs}
-    for stat, f in (("median", statistics.median), ("max", max)):
-        a, b = f(x for x, _ in runs["with"]), f(x for x, _ in runs["without"])
-        out[stat] = {"with_kvd_tok_s": a, "without_tok_s": b, "ratio": a / b}
-    a, b, c = (statistics.median(c for _, c in runs[k]) for k in ("with", "without", "absent"))
-    out["per_cpu_s"] = {"with_kvd_tok_cpu_s": a, "without_tok_cpu_s": b, "ratio": a / b,
-                        "kvd_absent_tok_cpu_s": c, "absent_ratio": c / b}
+def throughput(model: Path, sock: str, daemon_pid: int, blocks: int, rounds: int,
+               variants: tuple[str, ...], multiprocessing: bool) -> dict:
+    """Engines without a connector (the baseline, first in ``variants``), with kvd, and
+    with KvdConnector but no daemon behind its socket (vLLM's offloading-connector
+    bookkeeping alone) run side by side and take turns, one batch each per round, in a
+    rotating order: this machine's speed drifts by +-10 % over seconds, so only batches
+    run moments apart compare. A single engine can also be 10-20 % faster or slower than
+    its twin for its whole life, so ``blocks`` sets of engines are started one after the
+    other. Each round gives a ratio against the baseline; the figure is their median.
+    CPU time is the engine's process tree's (plus the daemon's for the kvd engine)."""
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    for block in range(blocks):
+        k = block % len(variants)
+        order = variants[k:] + variants[:k]  # who starts first, and first in a round
+        with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
+            procs = {v: start_engine(_throughput_config(model, sock, v, variants.index(v),
+                                                        block, rounds, multiprocessing, tmp),
+                                     Path(tmp) / f"{v}.log") for v in order}
+            for r in range(rounds + 1):  # round 0 warms the engines up
+                d0 = cpu_seconds(daemon_pid)
+                for v in order[r % len(order):] + order[:r % len(order)]:
+                    cpu0 = tree_cpu_seconds(procs[v].pid)
+                    Path(f"{tmp}/go-{v}-{r}").touch()
+                    while not Path(f"{tmp}/done-{v}-{r}").exists():
+                        if procs[v].poll() is not None:
+                            raise SystemExit(f"engine {v!r} exited early:\n"
+                                             + (Path(tmp) / f"{v}.log").read_text()[-3000:])
+                        time.sleep(0.005)
+                    if r:
+                        cpu[v].append(tree_cpu_seconds(procs[v].pid) - cpu0)
+                if r and "with" in cpu:  # the daemon's stores (they may trail the batch)
+                    cpu["with"][-1] += cpu_seconds(daemon_pid) - d0
+            Path(f"{tmp}/end").touch()
+            for v in order:
+                batches = [x for x in finish_engine(procs[v], Path(tmp) / f"{v}.log")
+                           if x.get("op") == "generate"][2:]
+                tokens = [sum(o["prompt_len"] + len(o["token_ids"]) for o in b["outputs"])
+                          for b in batches]
+                wall[v] += [t / b["elapsed_s"] for t, b in zip(tokens, batches)]
+                cpu[v][-rounds:] = [t / c for t, c in zip(tokens, cpu[v][-rounds:])]
+    out: dict = {"blocks": blocks, "rounds": rounds, "multiprocessing": multiprocessing,
+                 "samples": {"wall": wall, "cpu": cpu}}
+    base = variants[0]
+    for name, per in (("wall", wall), ("per_cpu_s", cpu)):
+        out[name] = {f"{v}_tok_s": statistics.median(per[v]) for v in variants}
+        for v in variants[1:]:  # each batch against the baseline's batch of its round
+            ratios = [a / b for a, b in zip(per[v], per[base])]
+            out[name][f"{v}_ratios"] = ratios
+            out[name][f"{v}_ratio"] = statistics.median(ratios)
     return out
+
+
+def _throughput_config(model: Path, sock: str, variant: str, index: int, block: int,
+                       rounds: int, multiprocessing: bool, tmp: str) -> dict:
+    steps = [gen(prompt(999, 256))]  # warm-up
+    for r in range(rounds + 1):
+        prompts = [prompt(((index + 1) * 100 + block) * 1000 + r * 50 + i, 1024)
+                   for i in range(16)]  # never reused
+        steps += [{"op": "wait_file", "path": f"{tmp}/go-{variant}-{r}", "timeout": 900},
+                  {"op": "generate", "max_tokens": 32,
+                   "prompts": [{"prompt_token_ids": p} for p in prompts]},
+                  {"op": "touch", "path": f"{tmp}/done-{variant}-{r}"}]
+    # No engine exits (a busy second) before every batch of every engine ran.
+    steps.append({"op": "wait_file", "path": f"{tmp}/end", "timeout": 900})
+    config = {"model": str(model), "steps": steps, "multiprocessing": multiprocessing}
+    if not variant.startswith("without"):  # "without-b": a second baseline (A/A check)
+        config["kv_transfer_config"] = kvd_config(
+            sock if variant == "with" else sock + ".absent")
+    return config
+
+
+def start_engine(config: dict, log: Path) -> subprocess.Popen:
+    """An engine process, its output to ``log`` (a pipe nobody reads would stall it)."""
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests/e2e/_engine.py"), "-"],
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=REPO)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(config))
+    proc.stdin.close()
+    return proc
+
+
+def finish_engine(proc: subprocess.Popen, log: Path) -> list[dict]:
+    proc.wait(timeout=600)
+    out = log.read_text()
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
+               if line.startswith(RESULT_PREFIX)]
+    if proc.returncode or any(r.get("op") == "error" for r in results):
+        raise SystemExit("engine failed:\n" + "\n".join(out.splitlines()[-40:]))
+    return results
 
 
 def report_ttft(t: dict, repeat: int) -> None:
@@ -146,22 +204,33 @@ def report_ttft(t: dict, repeat: int) -> None:
               f"{f['kvd_vs_local_hit']:.2f} x local hit (target <= 2)")
 
 
-def report_throughput(t: dict, repeat: int) -> None:
-    for stat in ("median", "max"):
-        f = t[stat]
-        print(f"throughput without reuse ({stat} of {repeat}): {f['with_kvd_tok_s']:.0f} "
-              f"tok/s with kvd, {f['without_tok_s']:.0f} without = {f['ratio']:.3f} "
-              "(target >= 0.97)")
-    f = t["per_cpu_s"]
-    print(f"tokens per CPU second (median of {repeat}; engine + daemon): "
-          f"{f['with_kvd_tok_cpu_s']:.0f} with kvd, {f['without_tok_cpu_s']:.0f} without "
-          f"= {f['ratio']:.3f}; KvdConnector with no daemon: {f['kvd_absent_tok_cpu_s']:.0f} "
-          f"= {f['absent_ratio']:.3f} (vLLM's offloading-connector bookkeeping)")
+def report_throughput(t: dict) -> None:
+    names = {"with": "with kvd", "absent": "KvdConnector with no daemon",
+             "without-b": "a second engine without a connector (A/A check)"}
+    n = t["blocks"] * t["rounds"]
+    mode = "multiprocess" if t["multiprocessing"] else "in-process"
+    for name, what in (("wall", "tok/s"), ("per_cpu_s", "tok per CPU s")):
+        f = t[name]
+        print(f"throughput without reuse, {mode} engines, {what} (median of {n} rounds): "
+              f"without a connector {f['without_tok_s']:.0f}")
+        for v, label in names.items():
+            if f"{v}_ratio" in f:
+                r = sorted(f[f"{v}_ratios"])
+                target = " (target >= 0.97)" if v == "with" else ""
+                print(f"  {label}: {f[f'{v}_tok_s']:.0f}, ratio {f[f'{v}_ratio']:.3f} "
+                      f"(quartiles {r[len(r) // 4]:.3f}-{r[3 * len(r) // 4]:.3f}){target}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=5, help="TTFT samples")
+    p.add_argument("--blocks", type=int, default=3, help="throughput: engine sets")
+    p.add_argument("--rounds", type=int, default=4, help="throughput: batches per engine")
+    p.add_argument("--variants", default="without,with,absent",
+                   help="throughput engines; the first is the baseline")
+    p.add_argument("--in-process", action="store_true",
+                   help="throughput: VLLM_ENABLE_V1_MULTIPROCESSING=0 engines (default: "
+                        "vLLM's default, an engine-core and a worker process)")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
@@ -173,8 +242,10 @@ def main() -> None:
             out["ttft"] = ttft(model, sock, args.repeat)
             report_ttft(out["ttft"], args.repeat)
         if not args.skip_throughput:
-            out["throughput"] = throughput(model, sock, daemon_pid, args.repeat)
-            report_throughput(out["throughput"], args.repeat)
+            out["throughput"] = throughput(model, sock, daemon_pid, args.blocks,
+                                           args.rounds, tuple(args.variants.split(",")),
+                                           not args.in_process)
+            report_throughput(out["throughput"])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 
