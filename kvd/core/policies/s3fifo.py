@@ -50,6 +50,20 @@ class S3FIFOPolicy(EvictionPolicy):
             self.small[key] = None
         self._settle()
 
+    def insert_many(self, keys: Sequence[Key], depth: int = 0, length: int = 0) -> None:
+        """``insert`` of each key, inlined (a settle is a no-op below capacity)."""
+        freq, ghost, main, small, cap = self.freq, self.ghost, self.main, self.small, \
+            self.capacity
+        for key in keys:
+            freq[key] = 0
+            if key in ghost:
+                del ghost[key]
+                main[key] = None
+            else:
+                small[key] = None
+            if len(freq) >= cap:
+                self._settle()
+
     def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
         freq = self.freq
         for key in keys:
@@ -74,6 +88,23 @@ class S3FIFOPolicy(EvictionPolicy):
             self.ghost[key] = None
             if len(self.ghost) > self.ghost_cap:
                 self.ghost.popitem(last=False)
+
+    def evicted_many(self, keys: Sequence[Key]) -> None:
+        """``evicted`` of each key, inlined (a settle is a no-op below capacity)."""
+        freq, ghost, main, small, cap = self.freq, self.ghost, self.main, self.small, \
+            self.capacity
+        for key in keys:
+            if freq.pop(key, None) is None:
+                continue
+            if key in small:
+                del small[key]
+                ghost[key] = None
+                if len(ghost) > self.ghost_cap:
+                    ghost.popitem(last=False)
+            else:
+                del main[key]
+            if len(freq) >= cap:
+                self._settle()
 
     def set_capacity(self, capacity: int) -> None:
         super().set_capacity(capacity)
