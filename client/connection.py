@@ -25,10 +25,10 @@ import msgspec
 import zmq
 
 from kvd_client.errors import RemoteError, Timeout, Unavailable
+from kvd_client.process import allow_ptrace, leave_compute_cpus
 from kvd_proto import messages as m
 
 log = logging.getLogger("kvd_client")
-PR_SET_PTRACER = 0x59616D61
 
 
 @dataclass
@@ -158,7 +158,7 @@ class Connection:
 
     # ------------------------------------------------------------ I/O thread
     def _run(self) -> None:
-        _leave_compute_cpus()  # first: zmq's own threads, started below, inherit it
+        leave_compute_cpus()  # first: zmq's own threads, started below, inherit it
         io = _IO(self)
         try:
             io.loop()
@@ -343,7 +343,7 @@ class _IO:
             if c.instance and c.instance != reply.instance:
                 c.stats.reconnects += 1
             c.instance, c.daemon_pid = reply.instance, reply.daemon_pid
-            _allow_ptrace(reply.daemon_pid)
+            allow_ptrace(reply.daemon_pid)
             if c._register is None:
                 return self.ready(None)
             self.phase = "register"
@@ -418,29 +418,3 @@ class _IO:
         self.lost("connection closed", quiet=True)
         if self.sock is not None:
             self.sock.close(linger=0)
-
-
-def _leave_compute_cpus() -> None:
-    """Run this thread on the CPUs the engine keeps free, not its compute CPUs.
-
-    vLLM's CPU workers pin every thread to their compute cores and leave others to the
-    scheduler and helpers; a thread the worker starts inherits the pin and would take
-    time slices from the model. The free CPUs are those the parent process may use and
-    this thread may not; without a pin there are none and nothing changes."""
-    try:
-        spare = os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
-        if spare:
-            os.sched_setaffinity(0, spare)
-    except OSError:  # no such parent, or not allowed: stay where we are
-        pass
-
-
-def _allow_ptrace(daemon_pid: int) -> None:
-    """Let the daemon read and write our memory where Yama restricts ptrace."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(daemon_pid), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
