@@ -139,29 +139,31 @@ class S3FIFOPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------ queries
     def victims(self) -> Iterator[Key]:
-        freq = self.freq
-        small_it, main_it = iter(self.small), iter(self.main)
+        freq, small_cap = self.freq, self.small_cap
+        next_small, next_main = iter(self.small).__next__, iter(self.main).__next__
         small_len, main_len = len(self.small), len(self.main)
         requeued: deque[tuple[Key, int]] = deque()  # scratch tail of the main FIFO
+        push, pop = requeued.append, requeued.popleft
         main_orig = main_len
         while small_len or main_len:
-            if self._from_small(small_len, main_len):
-                key = next(small_it)
+            # _from_small, inlined: this loop is the policy's hot path
+            if small_len and (small_len >= small_cap or not main_len):
+                key = next_small()
                 small_len -= 1
                 if freq[key] >= 1:
-                    requeued.append((key, 0))
+                    push((key, 0))
                     main_len += 1
                     continue
             else:
                 main_len -= 1
                 if main_orig:
                     main_orig -= 1
-                    key = next(main_it)
+                    key = next_main()
                     f = freq[key]
                 else:
-                    key, f = requeued.popleft()
+                    key, f = pop()
                 if f:
-                    requeued.append((key, f - 1))
+                    push((key, f - 1))
                     main_len += 1
                     continue
             yield key
