@@ -10,10 +10,12 @@
    apart (this machine's speed drifts by +-10 % over seconds and minutes).
 
 The model is a random-weight Llama built offline (tests/e2e/_model.py), sized so an
-8k-token prefill takes over a second here. Engines run in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) through tests/e2e/_engine.py, with
-``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so runs with and without a connector get the same
-cores. Run from the repository root::
+8k-token prefill takes over a second here. Engines run through tests/e2e/_engine.py
+with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, so runs with and without a connector get the
+same cores: the TTFT engine in-process, the throughput engines as vLLM's default
+multiprocess engines (``--in-process`` to change that). Only a multiprocess engine pins
+its worker and honours the reservation; an in-process engine computes on every core.
+Run from the repository root::
 
     .venv/bin/python scripts/bench_vllm.py [--repeat 5] [--blocks 3 --rounds 4] [--json F]
 """

@@ -86,7 +86,8 @@ DEFAULT_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     # With a kv_transfer_config vLLM reserves one more core; reserving one always keeps
-    # timings comparable between runs with and without a connector.
+    # timings comparable between runs with and without a connector. (Only multiprocess
+    # engines pin their worker and so honour it; in-process ones compute on every core.)
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     "TOKENIZERS_PARALLELISM": "false",
     # PYTHONHASHSEED is deliberately left alone: when set it becomes the seed of vLLM's
