@@ -42,16 +42,10 @@ class S3FIFOPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------ updates
     def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
-        self.freq[key] = 0
-        if key in self.ghost:
-            del self.ghost[key]
-            self.main[key] = None
-        else:
-            self.small[key] = None
-        self._settle()
+        self.insert_many((key,))
 
     def insert_many(self, keys: Sequence[Key], depth: int = 0, length: int = 0) -> None:
-        """``insert`` of each key, inlined (a settle is a no-op below capacity)."""
+        # One loop for both calls; _settle is a no-op below capacity, so skip the call.
         freq, ghost, main, small, cap = self.freq, self.ghost, self.main, self.small, \
             self.capacity
         for key in keys:
@@ -82,15 +76,10 @@ class S3FIFOPolicy(EvictionPolicy):
         self._settle()
 
     def evicted(self, key: Key) -> None:
-        from_small = key in self.small
-        self.remove(key)
-        if from_small:
-            self.ghost[key] = None
-            if len(self.ghost) > self.ghost_cap:
-                self.ghost.popitem(last=False)
+        self.evicted_many((key,))
 
     def evicted_many(self, keys: Sequence[Key]) -> None:
-        """``evicted`` of each key, inlined (a settle is a no-op below capacity)."""
+        # A key evicted from the small FIFO is remembered in the ghost FIFO.
         freq, ghost, main, small, cap = self.freq, self.ghost, self.main, self.small, \
             self.capacity
         for key in keys:
