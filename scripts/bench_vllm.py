@@ -48,17 +48,9 @@ PROMPT_TOKENS = 8000
 
 def engine(config: dict) -> list[dict]:
     """Run tests/e2e/_engine.py once; its result dicts."""
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests/e2e/_engine.py"), "-"],
-                          input=json.dumps(config), capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=1800)
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in proc.stdout.splitlines()
-               if line.startswith(RESULT_PREFIX)]
-    errors = [r for r in results if r.get("op") == "error"]
-    if proc.returncode or errors:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise SystemExit(f"engine failed: {errors[:1]}\n{tail}")
-    return results
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
+        log = Path(tmp) / "engine.log"
+        return finish_engine(start_engine(config, log), log, timeout=1800)
 
 
 def prompt(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
@@ -186,8 +178,9 @@ def start_engine(config: dict, log: Path) -> subprocess.Popen:
     return proc
 
 
-def finish_engine(proc: subprocess.Popen, log: Path) -> list[dict]:
-    proc.wait(timeout=600)
+def finish_engine(proc: subprocess.Popen, log: Path, timeout: float = 600) -> list[dict]:
+    """Wait for an engine from ``start_engine``; its result dicts."""
+    proc.wait(timeout=timeout)
     out = log.read_text()
     results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
                if line.startswith(RESULT_PREFIX)]
