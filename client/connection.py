@@ -415,6 +415,10 @@ class _IO:
             self.lost("kvd stopped answering")
 
     def shutdown(self) -> None:
+        linger = 0
+        if self.phase == "up" and not self.c._outbox.empty():
+            self.flush_outbox()  # what close() found queued (a Release, an Abort) goes out
+            linger = 100  # ms for zmq to write it; never an unbounded wait
         self.lost("connection closed", quiet=True)
         if self.sock is not None:
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger)
