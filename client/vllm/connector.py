@@ -7,6 +7,8 @@ adds what the spec cannot see on its own (hash algorithm, model dtype). It switc
 ``kv_load_failure_policy`` to "recompute" when the user left vLLM's default "fail" (the
 scheduler reads it right after building the connector) and reports the worker's failed
 loads through ``get_block_ids_with_load_errors``, so vLLM recomputes those tokens.
+It also hands each arriving request's keys to the manager, whose Lookup then goes out
+before the request's first scheduling pass instead of parking it for a step.
 """
 
 from __future__ import annotations
@@ -16,10 +18,20 @@ import logging
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.v1.kv_offload.base import make_offload_key
 
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 SPEC_NAME = "KvdOffloadingSpec"
 SPEC_MODULE = "kvd_client.vllm"
+
+
+def request_keys(scheduler: object, request: object) -> list[bytes]:
+    """The request's offload keys, in block order, as vLLM's scheduler will make them
+    (one KV-cache group: kvd refuses several)."""
+    (group,) = scheduler.config.kv_group_configs  # type: ignore[attr-defined]
+    step = group.hashes_per_chunk
+    hashes = request.block_hashes[step - 1::step]  # type: ignore[attr-defined]
+    return [make_offload_key(h, group.group_idx) for h in hashes]
 
 
 def prepare_config(vllm_config: object) -> None:
@@ -48,6 +60,16 @@ class KvdConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # type: ignore[no-untyped-def]
         prepare_config(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
+
+    def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
+        super().on_new_request(request)
+        manager = getattr(self.connector_scheduler, "manager", None)
+        prefetch = getattr(manager, "prefetch", None)
+        if prefetch is None or getattr(request, "skip_reading_prefix_cache", False):
+            return
+        manager.boundary.guard(
+            "prefetch", lambda: None,
+            lambda: prefetch(request.request_id, request_keys(self.connector_scheduler, request)))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.connector_worker.worker if self.connector_worker is not None else None

@@ -1,11 +1,15 @@
-"""Scheduler side: an OffloadingManager that asks kvd, never blocking the scheduler.
+"""Scheduler side: an OffloadingManager that asks kvd, never stalling the scheduler.
 
 vLLM calls ``lookup`` key by key inside ``schedule()`` and keeps scanning on ``RETRY``.
-So the first scan of a request answers RETRY for every key and collects them; one
-batched ``Lookup`` per request goes out at the end of the step (``on_schedule_end``);
-later scans answer from its reply (HIT for the leased run, HIT_PENDING for blocks still
-being stored, MISS after). A reply that does not come within ``lookup_timeout_ms``
-is a miss: vLLM itself would park the request forever.
+One batched ``Lookup`` per request answers them all. KvdConnector sends it as the
+request arrives (``prefetch``), so the reply is usually in before the request's first
+scan; a scan may wait for a reply still on its way, at most ``lookup_wait_ms`` per
+scheduler step in all. Without that head start (the plain OffloadingConnector path),
+the first scan answers RETRY for every key and collects them, and the Lookup goes out
+at the end of the step (``on_schedule_end``). Scans then answer from the reply: HIT
+for the leased run, HIT_PENDING for blocks still being stored, MISS for the key after
+them. A reply that does not come within ``lookup_timeout_ms`` is a miss: vLLM itself
+would park the request forever.
 
 The reply's lease pins the hit blocks in the daemon until the load completed or the
 request went away (Release), or it lapses (``lease_ms``). A request loads from kvd at
@@ -23,6 +27,7 @@ import time
 from collections.abc import Collection
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +52,7 @@ log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 MISS, HIT, HIT_PENDING, RETRY = (LookupResult.MISS, LookupResult.HIT,
                                  LookupResult.HIT_PENDING, LookupResult.RETRY)
 COLLECT, WAIT, ANSWERED = "collect", "wait", "answered"
+MAX_ASKED_AGAIN = 2  # per request: a scan past the reply's keys may ask anew this often
 
 
 @dataclass(eq=False)
@@ -62,6 +68,9 @@ class _Req:
     deadline: float = 0.0
     hits: dict[bytes, int] = field(default_factory=dict)  # key -> slot (leased)
     pending: frozenset[bytes] = frozenset()
+    answered: frozenset[bytes] = frozenset()  # keys the reply speaks for (hits, pending, first miss)
+    asked_again: int = 0  # new Lookups for keys past an earlier reply
+    gave_up: bool = False  # no usable reply (deadline, error): the rest is a miss
     lease: int = 0
     lease_until: float = 0.0
     instance: str = ""
@@ -88,6 +97,8 @@ class KvdManager(OffloadingManager):
         self._refresh: list[_Req] = []  # answered HIT_PENDING this step
         self._waiting = 0  # Lookups in flight
         self._abandoned: list[Future] = []
+        self._wait_left = options.lookup_wait_ms / 1000  # this step's budget for replies
+        self._arrived: ReqContext | None = None  # the request vLLM announced last
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
@@ -112,20 +123,21 @@ class KvdManager(OffloadingManager):
             return RETRY
         if st.phase == WAIT:
             assert st.future is not None
+            if not st.future.done() and self._wait_left > 0:
+                waited = time.monotonic()  # a reply on its way beats a parked step
+                wait_futures((st.future,), timeout=self._wait_left)
+                self._wait_left -= time.monotonic() - waited
             if st.future.done():
                 self._absorb(st)
             elif now >= st.deadline:
                 self.boundary.note("lookup", "deadline", f"no Lookup reply in "
                                    f"{self.options.lookup_timeout_ms} ms; serving as a miss")
                 self._abandon(st)
-                st.phase = ANSWERED
+                st.phase, st.gave_up = ANSWERED, True
             else:
                 return RETRY
         if st.hits and now >= st.lease_until:  # the lease may lapse before a load: ask again
-            self._release(st)
-            st.phase, st.keys = COLLECT, {key: None}
-            self._to_send.append(st)
-            return RETRY
+            return self._ask_again(st, key)
         if key in st.hits:
             return HIT
         if key in st.pending and now - st.first_seen < self.options.pending_wait_ms / 1000:
@@ -133,12 +145,23 @@ class KvdManager(OffloadingManager):
                 st.refresh = True
                 self._refresh.append(st)
             return HIT_PENDING
-        return MISS
+        if st.gave_up or key in st.answered or st.asked_again >= MAX_ASKED_AGAIN:
+            return MISS
+        # The scan starts past what the reply speaks for (vLLM holds those blocks
+        # itself, kvd does not): ask about the keys from here.
+        return self._ask_again(st, key)
+
+    def _ask_again(self, st: _Req, key: bytes) -> LookupResult:
+        self._release(st)
+        st.asked_again += 1
+        st.phase, st.keys, st.answered = COLLECT, {key: None}, frozenset()
+        self._to_send.append(st)
+        return RETRY
 
     def _absorb(self, st: _Req) -> None:
         assert st.future is not None
         fut, st.future, st.phase = st.future, None, ANSWERED
-        st.hits, st.pending = {}, frozenset()
+        st.hits, st.pending, st.gave_up = {}, frozenset(), True
         self._waiting -= 1
         try:
             reply = fut.result(0)
@@ -147,11 +170,26 @@ class KvdManager(OffloadingManager):
             return
         if not isinstance(reply, m.LookupOk):
             return
+        st.gave_up = False
         slots = unpack_u32(reply.slots).tolist()
         st.hits = dict(zip(st.sent[:reply.hits], slots))
         st.pending = frozenset(st.sent[reply.hits:reply.hits + reply.pending])
+        st.answered = frozenset(st.sent[:reply.hits + reply.pending + 1])
         st.lease = reply.lease
         self.boundary.count("lookup.hit_blocks", reply.hits)
+
+    def prefetch(self, req_id: str, keys: list[bytes]) -> None:
+        """A request arrived with these keys (its blocks in order): look them up now."""
+        self.boundary.guard("prefetch", lambda: None, lambda: self._prefetch(req_id, keys))
+
+    def _prefetch(self, req_id: str, keys: list[bytes]) -> None:
+        if self.disabled or not keys or req_id in self._reqs or not self.conn.up:
+            return
+        arrived, self._arrived = self._arrived, None
+        ctx = arrived if arrived is not None and arrived.req_id == req_id else ReqContext(req_id)
+        st = self._reqs[req_id] = _Req(ctx, time.monotonic())
+        self._send_lookup(st, keys)
+        self.boundary.count("lookup.prefetched")
 
     def _send_lookup(self, st: _Req, keys: list[bytes]) -> None:
         now = time.monotonic()
@@ -175,6 +213,7 @@ class KvdManager(OffloadingManager):
         self.boundary.guard("on_schedule_end", lambda: None, self._schedule_end)
 
     def _schedule_end(self) -> None:
+        self._wait_left = self.options.lookup_wait_ms / 1000
         to_send, self._to_send = self._to_send, []
         for st in to_send:
             if st.phase == COLLECT and st.keys and self._reqs.get(st.ctx.req_id) is st:
@@ -269,6 +308,7 @@ class KvdManager(OffloadingManager):
 
     # ------------------------------------------------------------ lifecycle
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._arrived = req_context  # for a prefetch that follows at once
         if not self._root_checked:
             self.boundary.guard("on_new_request", lambda: None, self._check_root)
         return RequestOffloadingContext()

@@ -40,6 +40,7 @@ class KvdOptions:
 
     socket: str = ""  # "" = $KVD_SOCKET, else the daemon's default socket
     lookup_timeout_ms: int = 300  # a Lookup not answered by then is a miss
+    lookup_wait_ms: float = 2.0  # per scheduler step: wait this long for replies in flight
     lease_ms: int = 30_000  # how long hit blocks stay pinned for the load
     store_timeout_ms: int = 150  # Allocate round trip budget; past it the store is skipped
     pending_wait_ms: int = 1_000  # how long a request waits for blocks still being stored

@@ -165,6 +165,90 @@ def test_lease_released_when_request_finishes(engine_side, daemon):
     assert daemon.status()["blocks"]["leases"] == 0
 
 
+def wait_leases(daemon, n: int, timeout: float = 5) -> int:
+    deadline = time.monotonic() + timeout
+    while (leases := daemon.status()["blocks"]["leases"]) != n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return leases
+
+
+def test_leases_released_on_reset_cache_and_shutdown(engine_side, daemon):
+    mgr, worker, _ = engine_side
+    keys = keys_for("g", 3)
+    store(mgr, worker, keys, [1, 2, 3], job_id=0)
+    for name in ("r7", "r8"):
+        ctx = request(name, keys)
+        mgr.on_new_request(ctx)
+        assert answer(mgr, ctx, keys) == [HIT] * 3
+    assert wait_leases(daemon, 2) == 2
+    mgr.reset_cache()  # vLLM drops its prefix cache and the connector's state
+    assert wait_leases(daemon, 0) == 0
+    ctx = request("r9", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT] * 3
+    assert wait_leases(daemon, 1) == 1
+    mgr.shutdown()  # the engine stops with a request still holding its lease
+    assert wait_leases(daemon, 0) == 0
+
+
+def test_lookup_sent_on_arrival_answers_the_first_scan(engine_side, daemon):
+    """KvdConnector hands over a request's keys as it arrives: the first scan answers
+    from the reply (no RETRY, so vLLM schedules the request in this very step)."""
+    writer, worker, _ = engine_side
+    keys = keys_for("p", 4)
+    store(writer, worker, keys[:3], [1, 2, 3], job_id=0)
+    # A budget no loaded test machine exceeds: this test is about the answer, not speed.
+    mgr = KvdManager(options(daemon.socket, lookup_wait_ms=5000), writer.fingerprint, FACTS)
+    assert mgr.conn.wait_up(10)
+    ctx = request("r10", keys)
+    mgr.on_new_request(ctx)
+    mgr.prefetch("r10", keys)
+    assert scan(mgr, ctx, keys) == [HIT, HIT, HIT, MISS]
+    assert mgr.boundary.counts["lookup.prefetched"] == 1
+
+    new = keys_for("q", 3)  # nobody has these: a miss, also at once
+    fresh = request("r11", new)
+    mgr.on_new_request(fresh)
+    mgr.prefetch("r11", new)
+    assert scan(mgr, fresh, new) == [MISS]
+    assert daemon.status()["counters"]["lookups"] == 2
+    mgr.shutdown()
+
+
+def test_scan_past_the_arrival_reply_asks_again(engine_side):
+    """vLLM holds the first blocks itself and starts its scan at key 2; kvd has keys 2-3
+    but not 0, so the arrival reply (a run from key 0) cannot speak for them."""
+    mgr, worker, _ = engine_side
+    keys = keys_for("s", 4)
+    store(mgr, worker, keys[2:], [1, 2], job_id=0)
+    ctx = request("r12", keys)
+    mgr.on_new_request(ctx)
+    mgr.prefetch("r12", keys)
+    assert answer(mgr, ctx, keys[2:]) == [HIT, HIT]
+
+
+def test_no_reply_within_the_step_budget_parks_the_request(daemon):
+    mgr = KvdManager(options(daemon.socket, lookup_wait_ms=20),
+                     make_fingerprint(FACTS, b"root"), FACTS)
+    try:
+        assert mgr.conn.wait_up(10)
+        reqs = [(f"r{i}", keys_for(f"t{i}", 2)) for i in range(3)]
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            for name, keys in reqs:
+                ctx = request(name, keys)
+                mgr.on_new_request(ctx)
+                mgr.prefetch(name, keys)
+                assert scan(mgr, ctx, keys) == [RETRY, RETRY]
+            stalled = time.perf_counter() - t0
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert 0.015 < stalled < 0.2  # one budget for the whole step, not one per request
+    finally:
+        mgr.shutdown()
+
+
 def test_store_in_flight_is_hit_pending_then_hit(engine_side):
     mgr, worker, _ = engine_side
     keys = keys_for("c", 2)
