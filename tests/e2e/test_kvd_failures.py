@@ -146,3 +146,30 @@ def test_unanswered_lookup_becomes_a_miss(tiny_model, expected, daemon, start_en
     assert stalled["num_cached_tokens"] == 0
     assert stalled["elapsed_s"] < 10
     assert "deadline" in run.stdout + run.stderr
+
+
+def test_daemon_absent_at_start_then_started(tiny_model, expected, daemon_factory,
+                                             start_engine, tmp_path):
+    """The engine starts before kvd: it serves without it, connects and registers by
+    itself once the daemon is up, then stores and loads. With xxhash block hashes and no
+    PYTHONHASHSEED the connector warns that hits stay within this engine run."""
+    daemon = daemon_factory(start=False)
+    served, back = tmp_path / "served", tmp_path / "back"
+    engine = start_engine({
+        "model": str(tiny_model), "kv_transfer_config": kvd_transfer_config(daemon.socket),
+        "llm": {"prefix_caching_hash_algo": "xxhash"},
+        "steps": [GEN, touch(served), wait_file(back),
+                  RESET, GEN,  # recomputed and stored into the daemon that came up
+                  RESET, GEN]})  # loaded from it
+    wait_for(served, engine)
+    daemon.start()
+    wait_registered(daemon)
+    back.touch()
+    run = engine.wait()
+    cold, stored, loaded = run.generations
+    assert [g["token_ids"] for g in run.generations] == [expected] * 3
+    assert cold["num_cached_tokens"] == stored["num_cached_tokens"] == 0
+    assert loaded["num_cached_tokens"] == FULL_BLOCK_TOKENS
+    assert daemon.status()["counters"]["loaded_blocks"] == FULL_BLOCK_TOKENS // 128
+    if "PYTHONHASHSEED" not in os.environ:  # the engine inherits the test's environment
+        assert "will not survive restarts" in run.stdout + run.stderr
