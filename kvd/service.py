@@ -21,8 +21,10 @@ from kvd.access import Access, Peer
 from kvd.config import Config
 from kvd.core.allocator import Allocator, AllocatorError
 from kvd.core.index import PENDING, READY, Index
+from kvd.core.states import NO_SLOT
 from kvd.core.policies import DEFAULT_POLICY, make_policy
 from kvd.core.tenants import Tenant, TenantError, Tenants, fingerprint_digest
+from kvd.core.tickets import Tickets
 from kvd.engines.base import CopyJob, TransferEngine
 from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
 from kvd.journal import Header
@@ -33,6 +35,7 @@ from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32, unpack_u32
 
 log = logging.getLogger("kvd.service")
+TICKET_WAIT_S = 2.0  # how long a Transfer waits for the Allocate whose ticket it names
 Send = Callable[[bytes, m.Reply], None]
 
 
@@ -87,6 +90,7 @@ class Service:
         self.policy_name = policy.name
         self.index = Index(alloc, policy, record=config.persist)
         self.tenants = Tenants()
+        self.tickets: Tickets[tuple[Client, m.Transfer]] = Tickets()
         self.persist: Persistence | None = None
         if config.persist:
             self.persist = Persistence(config.journal, Header(
@@ -311,9 +315,21 @@ class Service:
         if room <= 0:
             raise KvdError(f"pending-store quota of {self.config.max_pending_blocks} blocks "
                            "reached; finish or abort stores first", m.Code.BUSY)
+        if msg.ticket and self.tickets.holds(tenant.id, msg.ticket):
+            raise RequestError(f"ticket {msg.ticket} is in use; pick another")
         # Only the first `room` keys may get slots (keys already stored take none).
+        now = self.clock()
         res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
-                                  now=self.clock(), pending_s=pending_s)
+                                  now=now, pending_s=pending_s)
+        if msg.ticket:  # the rest of the keys get no slot: their blocks are skipped
+            slots = np.full(len(msg.keys), NO_SLOT, dtype=np.uint32)
+            slots[:len(res.slots)] = res.slots
+            early = self.tickets.add(tenant.id, msg.ticket, slots, tenant.tp_size,
+                                     now + pending_s)
+            for sender, transfer in early:  # Transfers that overtook this Allocate
+                reply = None if sender.gone else self._dispatch_transfer(sender, transfer)
+                if reply is not None:
+                    self.send(sender.identity, reply)
         return m.Allocated(msg.req, pack_u32(res.slots), res.evicted, res.allocated)
 
     def _release(self, client: Client, msg: m.Release) -> m.Reply:
@@ -321,12 +337,14 @@ class Service:
             raise BadIds(f"lease {msg.lease} belongs to another client")
         return m.Ok(msg.req, int(self.index.release(msg.lease)))
 
-    def _own_slots(self, tenant: Tenant, packed: bytes, state: int) -> np.ndarray:
-        """Slot ids from the wire, checked: in range, this tenant's, in ``state``."""
+    def _own_slots(self, tenant: Tenant, packed: bytes | np.ndarray, state: int) -> np.ndarray:
+        """Slot ids (from the wire, or a ticket), checked: in range, this tenant's, in
+        ``state``."""
         try:
-            slots = unpack_u32(packed).astype(np.int64)
+            ids = unpack_u32(packed) if isinstance(packed, bytes) else packed
         except ValueError as e:
             raise BadIds(str(e)) from None
+        slots = ids.astype(np.int64)
         if slots.size and int(slots.max()) >= self.index.allocator.max_slots:
             raise BadIds(f"slot id {int(slots.max())} out of range")
         bad = (self.index.tenant_of[slots] != tenant.id) | (self.index.state[slots] != state)
@@ -344,11 +362,24 @@ class Service:
         if msg.direction not in (m.Direction.STORE, m.Direction.LOAD):
             raise RequestError(f"bad direction {msg.direction}")
         state = PENDING if msg.direction == m.Direction.STORE else READY
-        slots = self._own_slots(tenant, msg.slots, state)
         try:
             blocks = unpack_u32(msg.block_ids).astype(np.uint64)
         except ValueError as e:
             raise BadIds(str(e)) from None
+        if msg.ticket:
+            if msg.direction != m.Direction.STORE or msg.slots:
+                raise BadIds("a ticket stands for the slots of a store; send one or the other")
+            ticketed = self.tickets.take(tenant.id, msg.ticket)
+            if ticketed is None:  # its Allocate is still on the way (another connection)
+                self.tickets.park(tenant.id, msg.ticket, (client, msg),
+                                  self.clock() + TICKET_WAIT_S)
+                return None
+            blocks, ticketed = _ticket_blocks(msg.ticket, blocks, ticketed)
+            if not ticketed.size:  # kvd holds every block already: nothing to copy
+                return m.Done(msg.req, msg.event)
+            slots = self._own_slots(tenant, ticketed, state)
+        else:
+            slots = self._own_slots(tenant, msg.slots, state)
         if len(blocks) != len(slots):
             raise BadIds(f"{len(blocks)} block ids for {len(slots)} slots")
         if blocks.size and int(blocks.max()) >= client.num_blocks:
@@ -383,6 +414,14 @@ class Service:
         self.inflight += 1
         client.engine.submit(job)
         return None
+
+    def _dispatch_transfer(self, client: Client, msg: m.Transfer) -> m.Reply | None:
+        """A parked Transfer, run now: errors become its Done, as in ``_dispatch``."""
+        try:
+            return self._transfer(client, msg)
+        except KvdError as e:
+            self._count_error(e.code)
+            return m.Done(msg.req, msg.event, e.code, str(e))
 
     def copy_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
         """On the loop: unpin, publish READY, push Done."""
@@ -427,6 +466,13 @@ class Service:
     def tick(self) -> None:
         now = self.clock()
         self.index.expire(now)
+        for client, msg in self.tickets.expire(now):
+            self._count_error(m.Code.BAD_IDS)
+            if not client.gone:
+                self.send(client.identity, m.Done(
+                    msg.req, msg.event, m.Code.BAD_IDS,
+                    f"no allocation under ticket {msg.ticket} (never made, expired, or every "
+                    "rank stored with it already)"))
         limit = self.config.client_timeout_ms / 1000
         for identity in [i for i, c in self.clients.items() if now - c.last_seen > limit]:
             log.warning("client %d (pid %d) silent for %.1fs: dropped",
@@ -455,3 +501,12 @@ class Service:
 
     def status(self) -> dict:
         return status_document(self)
+
+
+def _ticket_blocks(ticket: int, blocks: np.ndarray,
+                   slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A store by ticket: the blocks whose keys got a slot, and those slots."""
+    if len(blocks) != len(slots):
+        raise BadIds(f"{len(blocks)} block ids for the {len(slots)} keys of ticket {ticket}")
+    keep = slots != NO_SLOT
+    return blocks[keep], slots[keep]

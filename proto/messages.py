@@ -162,12 +162,17 @@ class Release(_Msg, tag="release"):
 
 
 class Allocate(_Msg, tag="allocate"):
-    """Reserve slots for keys not stored yet; they stay PENDING until every rank stored."""
+    """Reserve slots for keys not stored yet; they stay PENDING until every rank stored.
+
+    A nonzero ``ticket`` (chosen by the client, unique within its tenant) also keeps the
+    slots under that number, so workers can store with ``Transfer.ticket`` without
+    waiting for the reply to travel through the engine."""
 
     req: int
     keys: list[bytes]
     depth: int = 0
     pending_ms: int = 60_000
+    ticket: int = 0
 
 
 class Allocated(_Msg, tag="allocated"):
@@ -181,14 +186,18 @@ class Allocated(_Msg, tag="allocated"):
 
 
 class Transfer(_Msg, tag="transfer"):
-    """Copy blocks between the sender's registered memory and pool slots."""
+    """Copy blocks between the sender's registered memory and pool slots.
+
+    A store may name an Allocate's ``ticket`` instead of slots: ``block_ids`` then
+    follow that Allocate's keys, and blocks whose key got no slot are skipped."""
 
     req: int
     event: int
     direction: Direction
     block_ids: bytes  # packed engine block ids
-    slots: bytes  # packed slot ids, same length
+    slots: bytes  # packed slot ids, same length (empty with a ticket)
     cuda_event: int = -1  # index in the registered event ring (stores on GPU)
+    ticket: int = 0
 
 
 class Done(_Msg, tag="done"):

@@ -85,16 +85,25 @@ def _main(spec: Spec, cmds: mp.Queue, results: mp.Queue) -> None:
                 results.put(("reply", conn.request(cmd[1](req=conn.next_req(), **cmd[2]), 5)))
             except Exception as e:  # noqa: BLE001
                 results.put(("error", e))
-        elif op in ("store", "load"):
-            _, event, blocks, slots = cmd
-            direction = m.Direction.STORE if op == "store" else m.Direction.LOAD
+        elif op in ("store", "load", "send"):  # send: a store, without waiting for Done
+            _, event, blocks, slots, ticket = cmd
+            direction = m.Direction.LOAD if op == "load" else m.Direction.STORE
             sent = conn.send(m.Transfer(conn.next_req(), event, direction,
-                                        pack_u32(blocks), pack_u32(slots)))
-            with cv:
-                ok = sent and cv.wait_for(lambda: event in dones, timeout=20)
-            d = dones.get(event)
-            results.put(("done", int(d.code) if ok and d else -1, d.message if d else "",
-                         d.nbytes if d else 0))
+                                        pack_u32(blocks), pack_u32(slots), ticket=ticket))
+            if op == "send":
+                results.put(("sent", sent))
+                continue
+            _wait_done(results, cv, dones, event, sent)
+        elif op == "wait":
+            _wait_done(results, cv, dones, cmd[1], True)
+
+
+def _wait_done(results, cv, dones, event: int, sent: bool) -> None:
+    with cv:
+        ok = sent and cv.wait_for(lambda: event in dones, timeout=20)
+    d = dones.get(event)
+    results.put(("done", int(d.code) if ok and d else -1, d.message if d else "",
+                 d.nbytes if d else 0))
 
 
 class Worker:
@@ -113,11 +122,18 @@ class Worker:
         self.cmds.put(cmd)
         return self.results.get(timeout=timeout)
 
-    def store(self, event: int, blocks, slots):
-        return self.call("store", event, list(blocks), list(slots))
+    def store(self, event: int, blocks, slots, ticket: int = 0):
+        return self.call("store", event, list(blocks), list(slots), ticket)
+
+    def send_store(self, event: int, blocks, ticket: int) -> bool:
+        """A store by ticket, sent without waiting; ``wait`` gets its Done."""
+        return self.call("send", event, list(blocks), [], ticket)[1]
+
+    def wait(self, event: int):
+        return self.call("wait", event)
 
     def load(self, event: int, blocks, slots):
-        return self.call("load", event, list(blocks), list(slots))
+        return self.call("load", event, list(blocks), list(slots), 0)
 
     def digest(self, blocks) -> str:
         return self.call("digest", list(blocks))[1]

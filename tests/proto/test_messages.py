@@ -20,7 +20,8 @@ def test_golden_bytes_of_core_messages():
         "97a4646f6e65" "0905" "00" "a0" "00" "cb0000000000000000")
     t = m.Transfer(9, 5, m.Direction.LOAD, pack_u32([1, 2]), pack_u32([3]))
     assert m.encode(t).hex() == (
-        "97a87472616e73666572" "09" "05" "01" "c4080100000002000000" "c40403000000" "ff")
+        "98a87472616e73666572" "09" "05" "01" "c4080100000002000000" "c40403000000" "ff"
+        "00")  # ticket, appended in the same protocol version (the wire only grows)
 
 
 @pytest.mark.parametrize("msg", [
@@ -57,6 +58,25 @@ def test_an_older_message_without_new_trailing_fields_still_decodes():
     # A peer that predates Lookup.depth sends four fields; the default fills the fifth.
     old = msgspec.msgpack.encode(["lookup", 3, [b"k"], 500])
     assert m.decode_request(old) == m.Lookup(3, [b"k"], 500, 0)
+
+
+def test_ticket_fields_grow_the_wire_both_ways():
+    # A client from before tickets: its Transfer and Allocate decode with ticket 0.
+    old_transfer = msgspec.msgpack.encode(["transfer", 9, 5, 0, b"", b"", -1])
+    assert m.decode_request(old_transfer).ticket == 0
+    assert m.decode_request(msgspec.msgpack.encode(["allocate", 4, [b"k"], 0, 10])).ticket == 0
+
+    # A daemon from before tickets ignores the trailing field it does not know.
+    class OldTransfer(msgspec.Struct, array_like=True, tag="transfer", frozen=True):
+        req: int
+        event: int
+        direction: int
+        block_ids: bytes
+        slots: bytes
+        cuda_event: int = -1
+
+    new = m.Transfer(9, 5, m.Direction.STORE, pack_u32([1]), b"", -1, 77)
+    assert msgspec.msgpack.decode(m.encode(new), type=OldTransfer).event == 5
 
 
 def test_packed_ids():

@@ -1,0 +1,87 @@
+"""Allocations kept under a client-chosen ticket until every rank stored with them.
+
+vLLM's scheduler asks for slots right before the step that computes the blocks, and its
+workers store one step later. With a ticket, the scheduler sends its Allocate and moves
+on; each worker's Transfer names the ticket and the daemon supplies the slots. A ticket
+lives until every rank of the tenant used it, or until its slots' pending deadline.
+
+Scheduler and workers talk to the daemon over separate connections, so a Transfer can
+overtake its Allocate: it waits here (``park``) until the Allocate comes or a deadline
+passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+class TicketError(ValueError):
+    """A ticket that is in use already, unknown, expired or used up."""
+
+
+@dataclass(eq=False)
+class _Ticket:
+    slots: np.ndarray  # one per Allocate key; NO_SLOT where nothing is to be stored
+    ranks_left: int
+    deadline: float
+
+
+@dataclass(eq=False)
+class Tickets(Generic[T]):
+    """``T`` is whatever the shell parks (a Transfer and its sender); opaque here."""
+
+    _held: dict[tuple[int, int], _Ticket] = field(default_factory=dict)
+    _parked: dict[tuple[int, int], list[tuple[float, T]]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def parked(self) -> int:
+        return sum(len(v) for v in self._parked.values())
+
+    def holds(self, tenant: int, ticket: int) -> bool:
+        return (tenant, ticket) in self._held
+
+    def add(self, tenant: int, ticket: int, slots: np.ndarray, ranks: int,
+            deadline: float) -> list[T]:
+        """Keep ``slots`` under the ticket; returns the Transfers that came first."""
+        key = (tenant, ticket)
+        if key in self._held:
+            raise TicketError(f"ticket {ticket} is in use; pick another")
+        self._held[key] = _Ticket(np.array(slots, dtype=np.uint32), max(1, ranks), deadline)
+        return [item for _, item in self._parked.pop(key, ())]
+
+    def take(self, tenant: int, ticket: int) -> np.ndarray | None:
+        """The ticket's slots for one rank's store (the last rank retires the ticket);
+        None while the ticket is not known (park the Transfer)."""
+        held = self._held.get((tenant, ticket))
+        if held is None:
+            return None
+        held.ranks_left -= 1
+        if held.ranks_left == 0:
+            del self._held[(tenant, ticket)]
+        return held.slots
+
+    def park(self, tenant: int, ticket: int, item: T, deadline: float) -> None:
+        self._parked.setdefault((tenant, ticket), []).append((deadline, item))
+
+    def expire(self, now: float) -> list[T]:
+        """Drop tickets past their deadline (their PENDING slots expire in the index);
+        returns parked items whose Allocate never came."""
+        for k in [k for k, t in self._held.items() if t.deadline <= now]:
+            del self._held[k]
+        late: list[T] = []
+        for k in list(self._parked):
+            keep = [(d, item) for d, item in self._parked[k] if d > now]
+            late += [item for d, item in self._parked[k] if d <= now]
+            if keep:
+                self._parked[k] = keep
+            else:
+                del self._parked[k]
+        return late

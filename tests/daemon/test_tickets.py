@@ -1,0 +1,64 @@
+"""Stores by ticket: the scheduler's Allocate names a ticket, the workers' Transfers use it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvd_client import Connection, RemoteError
+from kvd_proto import messages as m
+from kvd_proto.ids import NO_SLOT, unpack_u32
+from tests.daemon.test_integration import keys, lookup, scheduler
+from tests.daemon.workers import Spec, Worker
+
+
+def allocate(conn: Connection, ks: list[bytes], ticket: int) -> m.Reply:
+    return conn.request(m.Allocate(conn.next_req(), ks, ticket=ticket))
+
+
+def test_ticketed_stores_across_ranks_overtaking_and_misuse(daemon):
+    r0, r1 = Spec(daemon.socket, tp_size=2, rank=0), Spec(daemon.socket, tp_size=2, rank=1)
+    sched = scheduler(daemon, r0)
+    w0, w1 = Worker(r0), Worker(r1)
+    try:
+        ks = keys(6)
+        # Rank 0's Transfer overtakes the Allocate (another connection): it waits for it.
+        assert w0.send_store(1, range(6), ticket=77)
+        time.sleep(0.2)
+        assert unpack_u32(allocate(sched, ks, 77).slots).tolist() != [NO_SLOT] * 6
+        code, _, nbytes = w0.wait(1)[1:]
+        assert code == 0 and nbytes == 6 * sum(r0.pages)
+        assert lookup(sched, ks).pending == 6  # rank 1 has not stored yet
+        assert w1.store(2, range(10, 16), [], ticket=77)[1] == 0
+        assert lookup(sched, ks).hits == 6
+
+        # Every rank used ticket 77: a third store by it is refused (after the wait).
+        t0 = time.monotonic()
+        code, message = w0.store(3, range(6), [], ticket=77)[1:3]
+        assert code == m.Code.BAD_IDS and "ticket 77" in message
+        assert time.monotonic() - t0 >= 1.5
+
+        # Keys kvd holds get no slot: only the new blocks are copied.
+        more = ks + keys(2, "new")
+        slots = unpack_u32(allocate(sched, more, 78).slots)
+        assert (slots[:6] == NO_SLOT).all() and (slots[6:] != NO_SLOT).all()
+        assert w0.store(4, range(8), [], ticket=78)[3] == 2 * sum(r0.pages)
+        assert w1.store(5, range(8), [], ticket=78)[1] == 0
+        assert lookup(sched, more).hits == 8
+        stored = daemon.status()["counters"]["stored_blocks"]
+        # All present: the Done comes at once, nothing is copied.
+        allocate(sched, more, 79)
+        assert w0.store(6, range(8), [], ticket=79)[1:4:2] == (0, 0)
+        assert daemon.status()["counters"]["stored_blocks"] == stored
+
+        # A ticket in use cannot be taken twice; a store must match its key count.
+        assert isinstance(allocate(sched, keys(1, "x"), 80), m.Allocated)
+        with pytest.raises(RemoteError) as refused:
+            allocate(sched, keys(1, "y"), 80)
+        assert refused.value.code == m.Code.BAD_REQUEST
+        assert w0.store(7, range(3), [], ticket=80)[1] == m.Code.BAD_IDS
+    finally:
+        for w in (w0, w1):
+            w.close()
+        sched.close()
