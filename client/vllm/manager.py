@@ -16,17 +16,19 @@ request went away (Release), or it lapses (``lease_ms``). A request loads from k
 most once: after a load (good or failed) its lookups miss, which is what keeps a failed
 load (recomputed by vLLM) from being retried forever.
 
-Stores cost one Allocate round trip in ``prepare_store`` (with a short deadline); keys
-kvd already has come back without a slot and are left out of the store.
+Stores cost no round trip: ``prepare_store`` sends an Allocate under a fresh ticket and
+returns; the workers' Transfers name the ticket one step later, and the daemon copies
+the blocks whose keys got a slot (keys it holds already are skipped).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
 from collections.abc import Collection
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
@@ -41,12 +43,12 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvd_client.connection import Connection
-from kvd_client.errors import KvdClientError, Timeout
+from kvd_client.errors import KvdClientError
 from kvd_client.vllm.failopen import Boundary
 from kvd_client.vllm.fingerprint import EngineFacts, root_hash_matches
 from kvd_client.vllm.spec import KvdOptions, KvdSlots
 from kvd_proto import messages as m
-from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
+from kvd_proto.ids import NO_SLOT, unpack_u32
 
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 MISS, HIT, HIT_PENDING, RETRY = (LookupResult.MISS, LookupResult.HIT,
@@ -99,6 +101,8 @@ class KvdManager(OffloadingManager):
         self._abandoned: list[Future] = []
         self._wait_left = options.lookup_wait_ms / 1000  # this step's budget for replies
         self._arrived: ReqContext | None = None  # the request vLLM announced last
+        # Allocate tickets: unique within the tenant (engines sharing it pick at random).
+        self._tickets = itertools.count(int.from_bytes(os.urandom(4), "little") << 31 | 1)
 
     # ------------------------------------------------------------ lookups
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
@@ -270,37 +274,30 @@ class KvdManager(OffloadingManager):
         if not self.conn.up:
             self.boundary.count("store.unavailable")
             return _skip("")
-        instance = self.conn.instance
+        # No round trip here: the slots stay with the daemon under the ticket, and the
+        # workers name it one step later, when vLLM submits the store.
+        ticket = next(self._tickets)
         fut = self.conn.submit(m.Allocate(self.conn.next_req(), keys,
                                           depth=self._depth(ctx, keys[0]),
-                                          pending_ms=self.options.pending_ms))
-        try:
-            reply = fut.result(self.options.store_timeout_ms / 1000)
-        except FutureTimeout:
-            fut.add_done_callback(self._abort_late_allocation)
-            raise Timeout("kvd did not answer Allocate in time; store skipped") from None
-        assert isinstance(reply, m.Allocated)
-        slots = unpack_u32(reply.slots)
-        mask = slots != NO_SLOT
-        to_store = [k for k, new in zip(keys, mask.tolist()) if new]
-        self.boundary.count("store.blocks", len(to_store))
-        if reply.allocated < len(keys):
-            self.boundary.count("store.no_space", len(keys) - reply.allocated)
-        return PrepareStoreOutput(keys_to_store=to_store,
-                                  store_spec=KvdSlots(slots[mask], instance),
-                                  evicted_keys=list(reply.evicted))
+                                          pending_ms=self.options.pending_ms, ticket=ticket))
+        fut.add_done_callback(self._count_allocated)
+        return PrepareStoreOutput(keys_to_store=keys,
+                                  store_spec=KvdSlots(np.zeros(0), self.conn.instance, ticket),
+                                  evicted_keys=[])
 
-    def _abort_late_allocation(self, fut: Future) -> None:
-        """On the I/O thread: give back slots of an Allocate answered after its deadline."""
+    def _count_allocated(self, fut: Future) -> None:
+        """On the I/O thread: what the daemon made of a ticketed Allocate."""
         try:
             reply = fut.result(0)
-        except Exception:  # noqa: BLE001 - nothing was allocated
+        except KvdClientError as e:  # the workers' Transfers fail too: the store is skipped
+            self.boundary.note("prepare_store", "allocate", e)
             return
-        if isinstance(reply, m.Allocated):
-            slots = unpack_u32(reply.slots)
-            slots = slots[slots != NO_SLOT]
-            if slots.size:
-                self.conn.submit(m.Abort(self.conn.next_req(), pack_u32(slots)))
+        assert isinstance(reply, m.Allocated)
+        slots = unpack_u32(reply.slots)
+        self.boundary.count("store.blocks", int((slots != NO_SLOT).sum()))
+        self.boundary.count("store.present", int((slots == NO_SLOT).sum()))
+        if reply.allocated < len(slots):
+            self.boundary.count("store.no_space", len(slots) - reply.allocated)
 
     def complete_store(self, keys: Collection[bytes], req_context: ReqContext,
                        success: bool = True) -> None:

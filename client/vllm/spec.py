@@ -42,7 +42,6 @@ class KvdOptions:
     lookup_timeout_ms: int = 300  # a Lookup not answered by then is a miss
     lookup_wait_ms: float = 2.0  # per scheduler step: wait this long for replies in flight
     lease_ms: int = 30_000  # how long hit blocks stay pinned for the load
-    store_timeout_ms: int = 150  # Allocate round trip budget; past it the store is skipped
     pending_wait_ms: int = 1_000  # how long a request waits for blocks still being stored
     pending_ms: int = 60_000  # an allocated slot not stored by then is dropped
     call_timeout_ms: int = 2_000  # connection liveness: pings, handshake
@@ -68,24 +67,26 @@ class KvdSlots(LoadStoreSpec):
     """Pool slots of one job, picklable and small (it rides in every SchedulerOutput).
 
     ``instance`` is the daemon run the slots belong to: a worker connected to another
-    run (the daemon restarted in between) must not use them.
+    run (the daemon restarted in between) must not use them. A store carries the
+    ``ticket`` of its Allocate instead of slots: the daemon knows them.
     """
 
-    __slots__ = ("slots", "instance")
+    __slots__ = ("slots", "instance", "ticket")
 
-    def __init__(self, slots: np.ndarray, instance: str) -> None:
+    def __init__(self, slots: np.ndarray, instance: str, ticket: int = 0) -> None:
         self.slots = np.ascontiguousarray(slots, dtype=np.uint32)
         self.instance = instance
+        self.ticket = ticket
 
-    def __getstate__(self) -> tuple[bytes, str]:
-        return self.slots.tobytes(), self.instance
+    def __getstate__(self) -> tuple[bytes, str, int]:
+        return self.slots.tobytes(), self.instance, self.ticket
 
-    def __setstate__(self, state: tuple[bytes, str]) -> None:
+    def __setstate__(self, state: tuple[bytes, str, int]) -> None:
         self.slots = np.frombuffer(state[0], dtype=np.uint32)
-        self.instance = state[1]
+        self.instance, self.ticket = state[1], state[2]
 
     def __repr__(self) -> str:
-        return f"KvdSlots({self.slots.tolist()}, {self.instance[:8]})"
+        return f"KvdSlots({self.slots.tolist()}, {self.instance[:8]}, ticket={self.ticket})"
 
 
 class KvdOffloadingSpec(OffloadingSpec):

@@ -167,7 +167,7 @@ class KvdWorker(OffloadingWorker):
         sent = self.conn.send(m.Transfer(self.conn.next_req(), job_id,
                                          m.Direction.LOAD if load else m.Direction.STORE,
                                          pack_u32(blocks), pack_u32(slots_spec.slots),
-                                         cuda_event))
+                                         cuda_event, slots_spec.ticket))
         if not sent:  # went down in between: nothing will answer
             self._on_done(m.Done(0, job_id, m.Code.CLIENT_GONE, "kvd not connected"))
 
@@ -270,7 +270,10 @@ def _unusable(spec: LoadStoreSpec, blocks: np.ndarray, conn: Connection) -> str:
     """Why a job cannot be sent as is ("" when it can)."""
     if not isinstance(spec, KvdSlots):
         return "foreign_spec"
-    if len(spec.slots) == 0 or len(spec.slots) != len(blocks):
+    if spec.ticket:  # a store: the daemon holds the slots
+        if len(spec.slots) or not len(blocks):
+            return "length" if len(spec.slots) else "empty"
+    elif len(spec.slots) == 0 or len(spec.slots) != len(blocks):
         return "empty" if len(spec.slots) == 0 else "length"
     if not conn.up:
         return "unavailable"

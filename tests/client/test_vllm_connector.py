@@ -130,8 +130,12 @@ def test_lookup_batches_leases_and_loads_once(engine_side, daemon):
     assert daemon.status()["counters"]["lookups"] == lookups + 1  # one batched Lookup
 
     store(mgr, worker, keys, [1, 2, 3, 4], job_id=0)
-    again = mgr.prepare_store(keys, request("dup", keys))
-    assert again.keys_to_store == []  # kvd has them: nothing to store twice
+    stored = daemon.status()["counters"]["stored_blocks"]
+    again = mgr.prepare_store(keys, request("dup", keys))  # no round trip: a ticket
+    assert worker.submit_store(9, gpu([5, 6, 7, 8]), again.store_spec)
+    worker.wait({9})
+    assert [r.job_id for r in worker.get_finished()] == [9]
+    assert daemon.status()["counters"]["stored_blocks"] == stored  # nothing stored twice
 
     ctx2 = request("r2-abc", keys + keys_for("z", 1))
     mgr.on_new_request(ctx2)
@@ -280,7 +284,9 @@ def test_unanswered_lookup_is_a_miss_after_the_deadline(daemon):
             assert scan(mgr, ctx, keys) == [RETRY, RETRY]
             time.sleep(0.25)
             assert scan(mgr, ctx, keys) == [MISS]
-            assert mgr.prepare_store(keys, ctx).keys_to_store == []  # skipped, not stuck
+            t0 = time.perf_counter()
+            mgr.prepare_store(keys, ctx)  # an Allocate under a ticket: nothing to wait for
+            assert time.perf_counter() - t0 < 0.1
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         assert mgr.boundary.counts["lookup.deadline"] == 1
