@@ -5,9 +5,21 @@
    after ``reset_prefix_cache()`` dropped the engine's copy. Targets: kvd load
    <= 0.10 x recompute and <= 2 x the local hit.
 2. Throughput of a workload without reuse (every prompt new: kvd only stores, every
-   lookup misses), with kvd against without. Target: >= 0.97. The engines run side
-   by side and take turns batch by batch, so each ratio compares batches run moments
-   apart (this machine's speed drifts by +-10 % over seconds and minutes).
+   lookup misses), with kvd against without. Target: >= 0.97. Engines without a
+   connector (the baseline, and a second one as an A/A control that must read 1.00),
+   with kvd, and optionally with KvdConnector but no daemon run side by side and take
+   turns batch by batch in a rotating order, so each ratio compares batches run moments
+   apart (this machine's speed drifts by +-10 % over seconds). Several engine sets are
+   started one after the other (``--blocks``): an engine process keeps its speed for
+   its life, so the set is the unit the interval is drawn over.
+
+   Every engine runs with fixed glibc malloc thresholds (``--glibc-malloc default``
+   turns that off). With glibc's default, sliding mmap threshold, how often an engine's
+   worker maps and faults in fresh pages for its large activation tensors depends on
+   its allocation history; identical engine processes measured here differed by up to
+   10 % in speed for their whole life (and by 2x in page faults), enough to swamp a
+   3 % effect. Fixed thresholds give every process the same behaviour (twins within
+   ~2 %). vLLM's CPU guide recommends tcmalloc for the same reason.
 
 The model is a random-weight Llama built offline (tests/e2e/_model.py), sized so an
 8k-token prefill takes over a second here. Engines run through tests/e2e/_engine.py
@@ -17,7 +29,7 @@ multiprocess engines (``--in-process`` to change that). Only a multiprocess engi
 its worker and honours the reservation; an in-process engine computes on every core.
 Run from the repository root::
 
-    .venv/bin/python scripts/bench_vllm.py [--repeat 5] [--blocks 3 --rounds 4] [--json F]
+    .venv/bin/python scripts/bench_vllm.py [--repeat 5] [--blocks 6 --rounds 4] [--json F]
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ from _model import build_tiny_model  # noqa: E402
 MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
              vocab=2048, max_positions=16384)
 PROMPT_TOKENS = 8000
+# glibc's mmap threshold at its largest fixed value (32 MiB); never trim the heap.
+FIXED_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=68719476736"
 
 
 def engine(config: dict) -> list[dict]:
@@ -94,15 +108,10 @@ def ttft(model: Path, sock: str, repeat: int) -> dict:
 
 
 def throughput(model: Path, sock: str, daemon_pid: int, blocks: int, rounds: int,
-               variants: tuple[str, ...], multiprocessing: bool) -> dict:
-    """Engines without a connector (the baseline, first in ``variants``), with kvd, and
-    with KvdConnector but no daemon behind its socket (vLLM's offloading-connector
-    bookkeeping alone) run side by side and take turns, one batch each per round, in a
-    rotating order: this machine's speed drifts by +-10 % over seconds, so only batches
-    run moments apart compare. A single engine can also be 10-20 % faster or slower than
-    its twin for its whole life, so ``blocks`` sets of engines are started one after the
-    other. Each round gives a ratio against the baseline; the figure is their median.
-    CPU time is the engine's process tree's (plus the daemon's for the kvd engine)."""
+               variants: tuple[str, ...], multiprocessing: bool, env: dict) -> dict:
+    """Run ``blocks`` engine sets of ``variants`` (the first is the baseline), each engine
+    one batch per round, in rotating order. CPU time is the engine's process tree's
+    (plus the daemon's for the kvd engine)."""
     wall: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     for block in range(blocks):
@@ -111,7 +120,8 @@ def throughput(model: Path, sock: str, daemon_pid: int, blocks: int, rounds: int
         with tempfile.TemporaryDirectory(prefix="kvd-bench-") as tmp:
             procs = {v: start_engine(_throughput_config(model, sock, v, variants.index(v),
                                                         block, rounds, multiprocessing, tmp),
-                                     Path(tmp) / f"{v}.log") for v in order}
+                                     Path(tmp) / f"{v}.log", env)
+                     for v in order}
             for r in range(rounds + 1):  # round 0 warms the engines up
                 d0 = cpu_seconds(daemon_pid)
                 for v in order[r % len(order):] + order[:r % len(order)]:
@@ -135,15 +145,26 @@ def throughput(model: Path, sock: str, daemon_pid: int, blocks: int, rounds: int
                 wall[v] += [t / b["elapsed_s"] for t, b in zip(tokens, batches)]
                 cpu[v][-rounds:] = [t / c for t, c in zip(tokens, cpu[v][-rounds:])]
     out: dict = {"blocks": blocks, "rounds": rounds, "multiprocessing": multiprocessing,
-                 "samples": {"wall": wall, "cpu": cpu}}
+                 "env": env, "samples": {"wall": wall, "cpu": cpu}}
     base = variants[0]
     for name, per in (("wall", wall), ("per_cpu_s", cpu)):
         out[name] = {f"{v}_tok_s": statistics.median(per[v]) for v in variants}
         for v in variants[1:]:  # each batch against the baseline's batch of its round
-            ratios = [a / b for a, b in zip(per[v], per[base])]
-            out[name][f"{v}_ratios"] = ratios
-            out[name][f"{v}_ratio"] = statistics.median(ratios)
+            out[name][v] = ratio_summary([a / b for a, b in zip(per[v], per[base])], rounds)
     return out
+
+
+def ratio_summary(ratios: list[float], rounds: int, resamples: int = 10_000) -> dict:
+    """Per engine set, the geometric mean of its paired round ratios; the figure is their
+    geometric mean, with a bootstrap 95 % interval drawn over engine sets."""
+    sets = [statistics.geometric_mean(ratios[i:i + rounds])
+            for i in range(0, len(ratios), rounds)]
+    rng = random.Random(0)
+    boot = sorted(statistics.geometric_mean(rng.choices(sets, k=len(sets)))
+                  for _ in range(resamples))
+    return {"ratio": statistics.geometric_mean(sets), "per_set": sets,
+            "ci95": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
+            "round_ratios": ratios, "median_round_ratio": statistics.median(ratios)}
 
 
 def _throughput_config(model: Path, sock: str, variant: str, index: int, block: int,
@@ -165,9 +186,9 @@ def _throughput_config(model: Path, sock: str, variant: str, index: int, block: 
     return config
 
 
-def start_engine(config: dict, log: Path) -> subprocess.Popen:
+def start_engine(config: dict, log: Path, env: dict | None = None) -> subprocess.Popen:
     """An engine process, its output to ``log`` (a pipe nobody reads would stall it)."""
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **(env or {})}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(REPO / "tests/e2e/_engine.py"), "-"],
                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
@@ -201,28 +222,33 @@ def report_ttft(t: dict, repeat: int) -> None:
 
 def report_throughput(t: dict) -> None:
     names = {"with": "with kvd", "absent": "KvdConnector with no daemon",
-             "without-b": "a second engine without a connector (A/A check)"}
-    n = t["blocks"] * t["rounds"]
+             "without-b": "second engine without a connector (A/A control, reads 1.00)"}
     mode = "multiprocess" if t["multiprocessing"] else "in-process"
+    print(f"throughput without reuse, {mode} engines, {t['blocks']} engine sets x "
+          f"{t['rounds']} rounds; ratio to the engine without a connector (geometric mean "
+          "over sets, bootstrap 95 % interval over sets; median of the round ratios):")
     for name, what in (("wall", "tok/s"), ("per_cpu_s", "tok per CPU s")):
         f = t[name]
-        print(f"throughput without reuse, {mode} engines, {what} (median of {n} rounds): "
-              f"without a connector {f['without_tok_s']:.0f}")
+        print(f"  {what}: without a connector {f['without_tok_s']:.0f}")
         for v, label in names.items():
-            if f"{v}_ratio" in f:
-                r = sorted(f[f"{v}_ratios"])
-                target = " (target >= 0.97)" if v == "with" else ""
-                print(f"  {label}: {f[f'{v}_tok_s']:.0f}, ratio {f[f'{v}_ratio']:.3f} "
-                      f"(quartiles {r[len(r) // 4]:.3f}-{r[3 * len(r) // 4]:.3f}){target}")
+            if v in f:
+                s = f[v]
+                target = " (target >= 0.97)" if v == "with" and name == "wall" else ""
+                print(f"    {label}: {f[f'{v}_tok_s']:.0f}, ratio {s['ratio']:.3f} "
+                      f"[{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]; median round "
+                      f"{s['median_round_ratio']:.3f}{target}")
+                print("      per set: " + " ".join(f"{x:.3f}" for x in s["per_set"]))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=5, help="TTFT samples")
-    p.add_argument("--blocks", type=int, default=3, help="throughput: engine sets")
+    p.add_argument("--blocks", type=int, default=6, help="throughput: engine sets")
     p.add_argument("--rounds", type=int, default=4, help="throughput: batches per engine")
-    p.add_argument("--variants", default="without,with,absent",
-                   help="throughput engines; the first is the baseline")
+    p.add_argument("--variants", default="without,with,without-b",
+                   help="throughput engines; the first is the baseline (also: absent)")
+    p.add_argument("--glibc-malloc", choices=("fixed", "default"), default="fixed",
+                   help="throughput: fixed malloc thresholds in every engine (see above)")
     p.add_argument("--in-process", action="store_true",
                    help="throughput: VLLM_ENABLE_V1_MULTIPROCESSING=0 engines (default: "
                         "vLLM's default, an engine-core and a worker process)")
@@ -237,9 +263,10 @@ def main() -> None:
             out["ttft"] = ttft(model, sock, args.repeat)
             report_ttft(out["ttft"], args.repeat)
         if not args.skip_throughput:
+            env = {"GLIBC_TUNABLES": FIXED_MALLOC} if args.glibc_malloc == "fixed" else {}
             out["throughput"] = throughput(model, sock, daemon_pid, args.blocks,
                                            args.rounds, tuple(args.variants.split(",")),
-                                           not args.in_process)
+                                           not args.in_process, env)
             report_throughput(out["throughput"])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
