@@ -27,7 +27,8 @@ from kvd.lifecycle import Lifecycle, ReloadFn
 from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
 from kvd.pool import Pool
-from kvd.service import Client, Service
+from kvd.service import Service
+from kvd.transfers import Client
 from kvd_proto import messages as m
 
 log = logging.getLogger("kvd.server")
