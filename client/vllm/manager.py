@@ -183,10 +183,8 @@ class KvdManager(OffloadingManager):
         self.boundary.count("lookup.hit_blocks", reply.hits)
 
     def prefetch(self, req_id: str, keys: list[bytes]) -> None:
-        """A request arrived with these keys (its blocks in order): look them up now."""
-        self.boundary.guard("prefetch", lambda: None, lambda: self._prefetch(req_id, keys))
-
-    def _prefetch(self, req_id: str, keys: list[bytes]) -> None:
+        """A request arrived with these keys (its blocks in order): look them up now.
+        Called from KvdConnector's ``on_new_request`` hook, which guards it."""
         if self.disabled or not keys or req_id in self._reqs or not self.conn.up:
             return
         arrived, self._arrived = self._arrived, None

@@ -232,7 +232,7 @@ def test_scan_past_the_arrival_reply_asks_again(engine_side):
 
 
 def test_no_reply_within_the_step_budget_parks_the_request(daemon):
-    mgr = KvdManager(options(daemon.socket, lookup_wait_ms=20),
+    mgr = KvdManager(options(daemon.socket, lookup_wait_ms=50),
                      make_fingerprint(FACTS, b"root"), FACTS)
     try:
         assert mgr.conn.wait_up(10)
@@ -248,7 +248,7 @@ def test_no_reply_within_the_step_budget_parks_the_request(daemon):
             stalled = time.perf_counter() - t0
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
-        assert 0.015 < stalled < 0.2  # one budget for the whole step, not one per request
+        assert 0.045 < stalled < 0.12  # one budget for the whole step, not one per request
     finally:
         mgr.shutdown()
 
