@@ -13,9 +13,9 @@ or the Transfer's ``Done``): a wait binds to the record that preceded it.
 Memory that legacy IPC cannot export (PyTorch expandable segments, vLLM sleep mode's
 cuMemCreate allocations), a GPU the daemon cannot see (MIG) and a separate PID namespace
 are refused with the reason and the fix; such clients register with ``client_copy`` and
-copy into the pool themselves with ``ClientCopier``.
+copy into the pool themselves with ``ClientCopier`` (the vLLM worker falls back to it).
 
-CUDA calls go through ``kvd_proto.cudart`` (imported lazily, so ``import kvd_client``
+CUDA calls go through ``kvd_client.cudart`` (imported lazily, so ``import kvd_client``
 never loads CUDA; tests inject a fake), the one seam shared with the daemon; torch is
 imported by nobody here: tensors are read through ``data_ptr()`` and friends.
 """
@@ -35,13 +35,15 @@ from kvd_client.errors import KvdClientError
 from kvd_proto.messages import CudaRegion, Direction, Registered
 
 if TYPE_CHECKING:
-    from kvd_proto.cudart import CudaApi
+    from kvd_client.cudart import CudaApi
 
 DEFAULT_RING = 64
+RING_CLOSE_SECONDS = 5.0  # how long close() waits for the daemon to confirm its waits
+REGISTER_CHUNK = 64 << 30  # cudaHostRegister fails for one call of 512 GiB or more
 
 
 def _default_api() -> CudaApi:
-    from kvd_proto.cudart import load  # noqa: PLC0415 - no CUDA import at module import
+    from kvd_client.cudart import load  # noqa: PLC0415 - no CUDA import at module import
 
     return load()
 
@@ -148,6 +150,7 @@ class EventRing:
         self._free = list(range(size - 1, -1, -1))
         self._busy: set[int] = set()
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self.exhausted = 0  # record_next calls that found no free event
 
     def __len__(self) -> int:
@@ -174,15 +177,23 @@ class EventRing:
             if index in self._busy:  # idempotent: EventWaited then Done both arrive
                 self._busy.discard(index)
                 self._free.append(index)
+                self._cv.notify_all()
 
     def in_use(self) -> int:
         with self._lock:
             return len(self._busy)
 
-    def close(self) -> None:
-        for e in self._events:
+    def close(self, timeout: float = RING_CLOSE_SECONDS) -> int:
+        """Destroy the events once the daemon confirmed every wait on them (EventWaited or
+        Done), or ``timeout`` passed: a wait the daemon has yet to pass must not find its
+        event destroyed. Returns how many were still unconfirmed."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._busy, timeout)
+            left = len(self._busy)
+            events, self._events = self._events, []
+        for e in events:
             self.api.event_destroy(e)
-        self._events = []
+        return left
 
 
 class ClientCopier:
@@ -194,27 +205,49 @@ class ClientCopier:
     says so, send the Transfer (it reports the finished copy; the daemon copies nothing).
     Slot layout is the daemon's: slot offset (from ``Registered``) + rank x rank_bytes +
     the tensor's page offset (cumulative page sizes, in registration order).
+
+    The mapping is registered with ``cudaHostRegister`` (in chunks) before any copy: a
+    copy with pageable memory is synchronous and cannot overlap compute. ``stream`` must
+    be a created stream: the batched copy refuses the legacy default stream (0).
     """
 
     def __init__(self, reg: Registered, rank: int, tensors: Sequence[GpuTensor], stream: int,
                  api: CudaApi | None = None) -> None:
         if not reg.pool_path or reg.slots_per_extent < 1:
             raise KvdClientError("the daemon did not send its pool layout (too old?)")
+        if stream == 0:
+            raise KvdClientError("ClientCopier needs a created stream, not the legacy default "
+                                 "stream (cuMemcpyBatchAsync refuses it)")
         self.api = api or _default_api()
         self.reg, self.rank, self.stream = reg, rank, stream
-        fd = os.open(reg.pool_path, os.O_RDWR)
+        try:
+            fd = os.open(reg.pool_path, os.O_RDWR)
+        except OSError as e:
+            raise KvdClientError(f"cannot open the pool file {reg.pool_path}: {e.strerror}"
+                                 ) from None
         try:
             self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._view = np.frombuffer(self._mm, np.uint8)
         self.pool_base = self._view.ctypes.data
+        self._free_events: list[int] = []
+        self._registered: list[int] = []
+        try:
+            for off in range(0, len(self._view), REGISTER_CHUNK):
+                self.api.host_register(self.pool_base + off,
+                                       min(REGISTER_CHUNK, len(self._view) - off))
+                self._registered.append(self.pool_base + off)
+        except Exception as e:
+            self.api.clear_last_error()
+            self.close()
+            raise KvdClientError(f"cannot pin the pool mapping for client-side copies: {e} "
+                                 "(raise RLIMIT_MEMLOCK)") from e
         pages = np.array([t.page_bytes for t in tensors], np.uint64)
         self._pages = pages
         self._page_off = np.concatenate(([0], np.cumsum(pages)[:-1])).astype(np.uint64)
         self._bases = np.array([t.ptr for t in tensors], np.uint64)
         self._strides = np.array([t.stride for t in tensors], np.uint64)
-        self._free_events: list[int] = []
 
     def addresses(self, block_ids: np.ndarray, slots: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -234,11 +267,12 @@ class ClientCopier:
         """Enqueue the copies; returns a completion token for ``done``."""
         pool, dev, lengths = self.addresses(block_ids, slots)
         dsts, srcs = (pool, dev) if direction == Direction.STORE else (dev, pool)
-        from kvd_proto.ids import coalesce  # noqa: PLC0415 - see the module docstring
-        from kvd_proto.cudart import ACCESS_ORDER_STREAM, copy_runs  # noqa: PLC0415
+        from kvd_client.runs import coalesce  # noqa: PLC0415 - see the module docstring
+        from kvd_client.cudart import ACCESS_ORDER_STREAM, copy_runs  # noqa: PLC0415
 
         copy_runs(self.api, *coalesce(dsts, srcs, lengths), ACCESS_ORDER_STREAM, self.stream)
-        ev = self._free_events.pop() if self._free_events else self.api.event_create()
+        ev = self._free_events.pop() if self._free_events \
+            else self.api.event_create(blocking=True)
         self.api.event_record(ev, self.stream)
         return ev
 
@@ -249,10 +283,24 @@ class ClientCopier:
         self._free_events.append(token)
         return True
 
+    def wait(self, token: int) -> None:
+        """Block until the copies of ``token`` completed (the token is then spent)."""
+        self.api.event_synchronize(token)
+        self._free_events.append(token)
+
     def close(self) -> None:
+        """Wait for copies in flight (they use the mapping), then unpin and unmap."""
+        if self._registered:
+            self.api.stream_synchronize(self.stream)
         for e in self._free_events:
             self.api.event_destroy(e)
         self._free_events = []
+        for ptr in self._registered:
+            try:
+                self.api.host_unregister(ptr)
+            except Exception:  # noqa: BLE001 - closing: the mapping goes away anyway
+                self.api.clear_last_error()
+        self._registered = []
         self._view = None  # type: ignore[assignment]
         try:
             self._mm.close()

@@ -2,11 +2,13 @@
 
 Why chunks: one registration of 512 GiB or more fails on recent drivers, and vLLM
 registers at most 64 GiB per call. Why a thread: registration costs ~0.1 s per GiB, so a
-large pool takes tens of seconds, during which the daemon already serves (copies into a
-range not registered yet are pageable, only slower). Why tolerate failure: pinning is a
-bandwidth optimisation; when it fails (RLIMIT_MEMLOCK, no driver, container limits) the
-daemon reports it and serves unpinned. Chunks registered before a failure stay
-registered: part of the pool is still fast.
+large pool takes tens of seconds, during which the daemon already serves; ``ready`` tells
+the CUDA engine which pool ranges it may copy with yet (a copy into a range not
+registered would be pageable, which is synchronous for the submitting thread), so until
+then those jobs miss. Why tolerate failure: pinning is a bandwidth optimisation; when it
+fails (RLIMIT_MEMLOCK, no driver, container limits) the daemon reports it and serves the
+rest unpinned. Chunks registered before a failure stay registered: part of the pool is
+still fast.
 
 Registrations are ``cudaHostRegisterPortable`` so every GPU's context sees the pool as
 pinned, and are made in the primary context of the first GPU.
@@ -19,7 +21,7 @@ import threading
 import time
 from typing import Literal
 
-from kvd_proto.cudart import CudaApi, CudaUnavailable
+from kvd_client.cudart import CudaApi, CudaUnavailable
 
 log = logging.getLogger("kvd.pinning")
 MAX_CHUNK_BYTES = 64 << 30
@@ -50,11 +52,13 @@ class PoolPinner:
         self._device = device
         self._lock = threading.Lock()
         self._done: list[tuple[int, int]] = []
+        self._pinned_end = base  # chunks are registered in order: [base, end) is pinned
         self._state: State = "idle"
         self._error = ""
         self._started = 0.0
         self._seconds = 0.0
         self._thread: threading.Thread | None = None
+        self._ctx = 0
         self._finished = threading.Event()
 
     def start(self) -> None:
@@ -71,11 +75,19 @@ class PoolPinner:
         """True when registration finished (done, failed or unavailable) in time."""
         return self._finished.wait(timeout)
 
+    def ready(self, lo: int, hi: int) -> bool:
+        """May GPU copies touching ``[lo, hi)`` of the pool be issued now? Yes once that
+        range is registered, or once registration ended without reaching it (failed or
+        unavailable: it is served unpinned from then on); no while it is still coming."""
+        if hi <= self._pinned_end and lo >= self.base:
+            return True
+        return self._finished.is_set()
+
     def _resolve(self) -> CudaApi:
         """The injected seam, or the real driver (loaded here, on the pinning thread)."""
         if self._api_source is not None:
             return self._api_source
-        from kvd_proto.cudart import load  # noqa: PLC0415 - CUDA stays lazy
+        from kvd_client.cudart import load  # noqa: PLC0415 - CUDA stays lazy
 
         return load()
 
@@ -83,7 +95,8 @@ class PoolPinner:
         try:
             try:
                 api = self._resolve()
-                api.set_current_context(api.retain_primary_context(self._device))
+                self._ctx = api.retain_primary_context(self._device)
+                api.set_current_context(self._ctx)
                 self._api = api  # from here on, release() owes a context release
             except CudaUnavailable as e:
                 self._end("unavailable", str(e))
@@ -102,6 +115,7 @@ class PoolPinner:
                     return
                 with self._lock:
                     self._done.append((ptr, n))
+                    self._pinned_end = ptr + n
             self._end("done", "")
         finally:
             self._finished.set()
@@ -138,11 +152,16 @@ class PoolPinner:
             self._finished.wait(timeout)
         with self._lock:
             done, self._done = self._done, []
+            self._pinned_end = self.base
             if self._state != "idle":
                 self._state = "released"
         api, self._api = self._api, None
         if api is None:
             return
+        try:
+            api.set_current_context(self._ctx)  # release() runs on the caller's thread
+        except Exception as e:  # noqa: BLE001 - shutting down: log and go on
+            log.warning("cannot make the pinning context current: %s", e)
         for ptr, _ in done:
             try:
                 api.host_unregister(ptr)

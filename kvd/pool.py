@@ -2,7 +2,7 @@
 
 Copies address it by absolute pointer (``base``), so it is mapped once for the life
 of the daemon. Pages are faulted in up front (MADV_POPULATE_WRITE, falling back to a
-write per page) so the first stores do not pay for page faults; mlock is optional.
+same-value write per page, which keeps a persisted pool's bytes) so the first stores do not pay for page faults; mlock is optional.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ from kvd.errors import ConfigError
 log = logging.getLogger("kvd.pool")
 MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def touch_pages(array: np.ndarray) -> None:
+    """Write-fault every page of ``array`` without changing a byte (``|= 0``): a kept
+    pool (warm restart) holds data, so the fallback prefault must not zero it."""
+    view = array[:: mmap.PAGESIZE]
+    np.bitwise_or(view, 0, out=view)
 
 
 class Pool:
@@ -56,7 +63,7 @@ class Pool:
         rc = _libc.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size),
                            MADV_POPULATE_WRITE)
         if rc != 0:  # kernels before 5.14: touch every page instead
-            self.array[:: mmap.PAGESIZE] = 0
+            touch_pages(self.array)
 
     def _mlock(self) -> bool:
         if _libc.mlock(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size)) == 0:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import emit  # noqa: E402
 
 from kvd.config import parse_size  # noqa: E402
-from kvd_proto.cudart import CudaUnavailable, load  # noqa: E402
+from kvd_client.cudart import CudaUnavailable, load  # noqa: E402
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20]
 

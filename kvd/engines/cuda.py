@@ -2,132 +2,84 @@
 
 A worker exports each KV tensor with a legacy CUDA IPC handle and a ring of
 interprocess events (``kvd_client.cuda``). Per GPU, found by UUID because ordinals
-differ between processes, the engine runs one submit thread and two non-blocking
-streams (store, load) in the device's primary context, plus a completion thread:
+differ between processes, the engine works in the device's primary context with one
+lane (a non-blocking stream, a submit thread, a completion thread:
+``kvd.engines.cuda_device``) per client for stores and one per GPU for loads:
 
-    submit thread:  [store] cudaStreamWaitEvent(store, ring[i]) -> on_waited(job)
-                    copy (cuMemcpyBatchAsync, or cudaMemcpyAsync per coalesced run)
-                    cudaEventRecord(done_ev, stream)
-    completion:     cudaEventQuery(done_ev) -> on_done(job)      (exactly once per job)
+    store lane:  expired? -> cudaStreamWaitEvent(ring[i]) -> record gate;
+                 cudaEventSynchronize(gate) (the forward pass ended) -> on_waited(job)
+                 -> expired? -> copy (cuMemcpyBatchAsync, or cudaMemcpyAsync per run)
+                 -> record done
+    load lane:   expired? -> verify checksums -> copy -> record done
+    completion:  cudaEventSynchronize(done) -> [store] late? checksum -> on_done(job)
 
-``on_waited`` lets the daemon tell the worker that event ``i`` may be recorded again:
-the wait binds to the record that preceded it. Each IPC memory handle is opened once
-per (client pid, handle) and closed exactly once, after the last in-flight copy of the
-last client using it completed. All CUDA calls go through ``kvd_proto.cudart`` (a
-seam tests replace with a recording fake).
+A lane blocked on its client's event blocks nobody else; jobs queued behind it fail at
+their deadline (the watchdog) or when the client is detached, never later than that
+start. ``on_waited`` lets the daemon tell the worker that event ``i`` may be recorded
+again (or destroyed): the wait on it has passed, not merely been enqueued. Each IPC memory handle is opened
+once per (client pid, handle), checked against the client's geometry, and closed
+exactly once, after the last copy of the last client using it completed. Copies into
+pool chunks that are not pinned yet are not issued (they would be synchronous): the job
+fails with BUSY, a miss. All CUDA calls go through ``kvd_client.cudart``.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kvd.engines.base import CopyJob, DoneCallback, TransferEngine
-from kvd_proto.ids import coalesce
-from kvd_proto.cudart import (ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES,
-                                CudaApi, copy_runs)
+import numpy as np
+
+from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_after, expired,
+                              late, verify_then)
+from kvd.engines.cuda_device import COPYING, FINISHED, QUEUED, Lane, Watchdog, Work
+from kvd.engines.cuda_handles import (  # noqa: F401 - refuse_...: the service's import
+    Client, Device, Handles, format_uuid, refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
+from kvd_client.cudart import (ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES,
+                               CudaApi, copy_runs)
+from kvd_client.runs import coalesce
 from kvd_proto.messages import Code, Direction, Register
 
 log = logging.getLogger("kvd.engines.cuda")
 MAX_EVENTS = 4096  # event-ring entries one client may register
-POLL_SECONDS = 100e-6  # completion polling interval while copies are in flight
 STOP_SECONDS = 30.0  # how long close() waits for copies in flight
 
 WaitedCallback = Callable[[CopyJob], None]
-
-
-def format_uuid(raw: bytes) -> str:
-    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``, as nvidia-smi -L prints it."""
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
-def refuse_foreign_pid_namespace(hello_pid: int, peer_pid: int) -> None:
-    """Raise when the client lives in another PID namespace than the daemon.
-
-    ``hello_pid`` is the pid the client reports for itself, ``peer_pid`` the one the
-    kernel reports for the socket peer (ZeroMQ ``Peer-Address``); they differ exactly
-    when the namespaces differ, and then legacy CUDA IPC fails ("invalid device context").
-    """
-    if hello_pid != peer_pid:
-        raise RequestError(
-            f"the client (pid {hello_pid} in its namespace, {peer_pid} in the daemon's) runs "
-            "in a separate PID namespace, where CUDA IPC handles cannot be opened. Fix: share "
-            "the host PID namespace (Kubernetes hostPID: true, docker --pid=host), or "
-            "register with client_copy=True so the client copies into the pool itself",
-            Code.PERMISSION,
-        )
-
-
-@dataclass(eq=False)
-class _Client:
-    pid: int
-    device: _Device
-    mem_keys: list[tuple[int, bytes]]
-    events: list[int]
-    event_keys: list[tuple[int, bytes]]
-    inflight: int = 0
-    gone: bool = False
-
-
-@dataclass(eq=False)
-class _Opened:
-    """One opened IPC handle (memory or event), shared by clients of the same pid."""
-
-    value: int  # device pointer or event
-    device: _Device
-    refs: int = 1
-
-
-@dataclass(eq=False)
-class _Device:
-    ordinal: int
-    uuid: bytes
-    ctx: int
-    store_stream: int = 0
-    load_stream: int = 0
-    work: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    pending: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    free_events: list[int] = field(default_factory=list)
-    threads: list[threading.Thread] = field(default_factory=list)
-
-
-class _Release:
-    """Work item: the client's copies drained, close what attach opened."""
-
-    def __init__(self, client: _Client) -> None:
-        self.client = client
-
-
-_STOP = object()
+PinnedCheck = Callable[[int, int], bool]  # (lowest address, end) -> copies may be issued
 
 
 class CudaEngine(TransferEngine):
-    """Copies with CUDA; one submit thread, one completion thread, two streams per GPU."""
+    """Copies with CUDA: a store lane per client, a load lane per GPU.
+
+    ``pool`` (the daemon's pool mapping) is needed for checksums; ``pinned(lo, hi)``
+    says whether copies touching ``[lo, hi)`` of the pool may be issued (the pinner's
+    progress); without it the caller vouches that the pool is pinned."""
 
     name = "cuda"
 
     def __init__(self, on_done: DoneCallback, api: CudaApi, *,
-                 on_waited: WaitedCallback | None = None) -> None:
+                 on_waited: WaitedCallback | None = None, pool: np.ndarray | None = None,
+                 pinned: PinnedCheck | None = None) -> None:
         super().__init__(on_done)
         self.api = api
         self.on_waited = on_waited
+        self.pool = pool
+        self.pinned = pinned
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a copy completes
         self._closed = False
         self._uuids: dict[bytes, int] | None = None
-        self._devices: dict[bytes, _Device] = {}
-        self._clients: dict[int, _Client] = {}
-        self._mem: dict[tuple[int, bytes], _Opened] = {}
-        self._events: dict[tuple[int, bytes], _Opened] = {}
-        self._gone: set[_Client] = set()  # detached, handles not closed yet
+        self._devices: dict[bytes, Device] = {}
+        self._clients: dict[int, Client] = {}
+        self._gone: set[Client] = set()  # detached, handles not closed yet
+        self._handles = Handles(api)
+        self._watchdog = Watchdog(self._expire)
 
     # ------------------------------------------------------------ devices
-    def _device_for(self, uuid: bytes) -> _Device:
+    def _device_for(self, uuid: bytes) -> Device:
         dev = self._devices.get(uuid)
         if dev is not None:
             return dev
@@ -145,21 +97,12 @@ class CudaEngine(TransferEngine):
                 "(CUDA_VISIBLE_DEVICES=MIG-<uuid>), or register with client_copy=True",
                 Code.BAD_REQUEST,
             )
-        ctx = self.api.retain_primary_context(ordinal)
-        self.api.set_current_context(ctx)
-        dev = _Device(ordinal, uuid, ctx)
-        dev.store_stream = self.api.stream_create()
-        dev.load_stream = self.api.stream_create()
+        dev = Device(ordinal, uuid, self.api.retain_primary_context(ordinal))
+        dev.loads = Lane(self.api, dev.ctx, f"load-{format_uuid(uuid)[4:12]}",
+                         self._start, self._end)
         if not self.api.has_batch_copy():
             log.warning("GPU %s: driver older than 12.8, copying with one cudaMemcpyAsync "
                         "per coalesced run", format_uuid(uuid))
-        tag = format_uuid(uuid)[:12]
-        dev.threads = [threading.Thread(target=self._run, args=(dev,), daemon=True,
-                                        name=f"kvd-cuda-{tag}"),
-                       threading.Thread(target=self._complete, args=(dev,), daemon=True,
-                                        name=f"kvd-cuda-done-{tag}")]
-        for t in dev.threads:
-            t.start()
         self._devices[uuid] = dev
         return dev
 
@@ -192,69 +135,68 @@ class CudaEngine(TransferEngine):
             except Exception as e:
                 raise TransferError(f"cannot use the client's GPU: {e}") from e
             self.api.set_current_context(dev.ctx)  # this thread opens the handles
-            c = _Client(pid, dev, [], [], [])
+            c = Client(pid, dev, [], [], [])
             try:
-                for h in dict.fromkeys(r.ipc_handle for r in regions):
-                    c.mem_keys.append(self._open(self._mem, (pid, h), dev,
-                                                 self.api.ipc_open_mem_handle, h))
-                for h in reg.cuda_event_handles:
-                    key = (pid, h)
-                    self._open(self._events, key, dev, self.api.ipc_open_event_handle, h)
-                    c.event_keys.append(key)
-                    c.events.append(self._events[key].value)
+                self._handles.open(c, regions, reg.cuda_event_handles)
+                c.lane = Lane(self.api, dev.ctx, f"store-{client}", self._start, self._end)
             except Exception as e:
                 self._release(c)
+                if isinstance(e, RequestError):
+                    raise
                 raise TransferError(
                     f"cannot open the CUDA IPC handles of pid {pid}: {e}. Legacy CUDA IPC "
                     "needs the daemon and the engine in one PID namespace on one node, and "
                     "memory from cudaMalloc (not expandable segments or cuMemCreate)",
                     Code.PERMISSION) from e
             self._clients[client] = c
-            base = {h: self._mem[(pid, h)].value for (_, h) in c.mem_keys}
+            base = {h: self._handles.base(c, h) for (_, h) in c.mem_keys}
         return [base[r.ipc_handle] + r.offset for r in regions]
 
-    def _open(self, table: dict[tuple[int, bytes], _Opened], key: tuple[int, bytes],
-              dev: _Device, opener: Callable[[bytes], int], handle: bytes) -> tuple[int, bytes]:
-        got = table.get(key)
-        if got is not None:
-            got.refs += 1
-        else:
-            table[key] = _Opened(opener(handle), dev)
-        return key
-
     def detach(self, client: int) -> None:
-        """Forget the client; its handles close once its in-flight copies completed."""
+        """The client is gone: its queued jobs fail now (CLIENT_GONE, nothing copied); its
+        handles close once the copies already on the GPU completed. May be called while
+        jobs are in flight."""
         with self._lock:
             c = self._clients.pop(client, None)
             if c is None:
                 return
             c.gone = True
             self._gone.add(c)
-            drained = c.inflight == 0
-        if drained:
-            c.device.work.put(_Release(c))
+            failed = self._take_queued(c)
+        for w in failed:
+            self._report(w, TransferError(f"client {client} is gone", Code.CLIENT_GONE))
+        self._maybe_release(c)
 
-    def _release(self, c: _Client) -> None:
-        """Drop the client's references; close handles nobody else uses (lock held).
+    def _take_queued(self, c: Client) -> list[Work]:
+        """Mark the client's not-yet-copying works finished (lock held); returns them."""
+        out = [w for w in c.works if w.state == QUEUED]
+        for w in out:
+            w.state = FINISHED
+        return out
 
-        Idempotent: the references are dropped once, so a handle is closed exactly once.
-        """
+    def _maybe_release(self, c: Client) -> None:
+        """Once a gone client has no copies on the GPU: end its lane, close its handles.
+        Never joins: the lane's submit thread may still be blocked on the client's event
+        (it finds nothing left to do when that returns)."""
+        with self._lock:
+            if not c.gone or c.copying or c.released:
+                return
+            c.released = True
+            lane, c.lane = c.lane, None
+        if lane is not None:
+            lane.todo.put(None)
+            self._log_errors(c.device, lane.destroy())
+        with self._lock:
+            self.api.set_current_context(c.device.ctx)
+            self._release(c)
+
+    def _release(self, c: Client) -> None:
         self._gone.discard(c)
-        for table, keys, closer in ((self._mem, c.mem_keys, self.api.ipc_close_mem_handle),
-                                    (self._events, c.event_keys, self.api.event_destroy)):
-            for key in keys:
-                got = table[key]
-                got.refs -= 1
-                if got.refs == 0:
-                    del table[key]
-                    try:
-                        closer(got.value)
-                    except Exception as e:  # noqa: BLE001 - nothing else to do: log
-                        log.warning("closing a CUDA IPC handle of pid %d: %s", c.pid, e)
-            keys.clear()
+        self._handles.release(c)
 
     # ------------------------------------------------------------ jobs
     def submit(self, job: CopyJob) -> None:
+        err: Exception | None = None
         with self._lock:
             c = self._clients.get(job.client)
             if self._closed or c is None:
@@ -264,95 +206,121 @@ class CudaEngine(TransferEngine):
                 err = RequestError(f"CUDA event {job.cuda_event} is not in the client's ring "
                                    f"of {len(c.events)}", Code.BAD_REQUEST)
             else:
-                c.inflight += 1
-                c.device.work.put((job, c))
-                return
-        self.on_done(job, err, 0.0)
+                err = expired(job) or self._unpinned(job)
+            if err is None:
+                assert c is not None and c.lane is not None and c.device.loads is not None
+                work = Work(job, c)
+                c.works.add(work)
+                lane = c.lane if job.direction == Direction.STORE else c.device.loads
+                lane.todo.put(work)
+        if err is not None:
+            self.on_done(job, err, 0.0)
+            return
+        self._watchdog.watch(work)
 
-    def _run(self, dev: _Device) -> None:
-        """Submit thread: wait on the worker's event, enqueue the copy, record completion."""
-        self.api.set_current_context(dev.ctx)
-        while True:
-            item = dev.work.get()
-            if item is _STOP:
-                break
-            if isinstance(item, _Release):
-                with self._lock:
-                    self._release(item.client)
-                continue
-            job, c = item
-            started = time.perf_counter()
-            try:
-                done_ev = self._enqueue(dev, job, c)
-            except Exception as e:  # noqa: BLE001 - reported to the client as Done
-                self._finish(job, c, e, started)
-                continue
-            dev.pending.put((job, c, done_ev, started))
-        self._shutdown(dev)
+    def _unpinned(self, job: CopyJob) -> TransferError | None:
+        if self.pinned is None or not len(job.pool):
+            return None
+        lo = int(job.pool.min())
+        hi = int((job.pool + job.lengths).max())
+        if self.pinned(lo, hi):
+            return None
+        return TransferError("the pool chunk of these slots is not pinned yet (pinning runs "
+                             "in the background); not copied", Code.BUSY)
 
-    def _enqueue(self, dev: _Device, job: CopyJob, c: _Client) -> int:
+    def _start(self, work: Work, lane: Lane) -> int | None:
+        """On the lane's submit thread: order, check, enqueue; the completion event."""
+        job = work.job
         store = job.direction == Direction.STORE
-        stream = dev.store_stream if store else dev.load_stream
-        if store and job.cuda_event >= 0:
-            # Binds to the worker's latest record of this event: the forward pass.
-            self.api.stream_wait_event(stream, c.events[job.cuda_event])
-            if self.on_waited is not None:
-                self.on_waited(job)
-        pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
-        dsts, srcs = (pool, remote) if store else (remote, pool)
-        copy_runs(self.api, dsts, srcs, lengths,
-                  ACCESS_ORDER_STREAM if store else ACCESS_ORDER_ANY, stream)
-        done_ev = dev.free_events.pop() if dev.free_events else self.api.event_create()
-        self.api.event_record(done_ev, stream)
-        return done_ev
+        if work.state != QUEUED:
+            return None  # failed while queued (deadline, detach, close)
+        try:
+            err = self._gate(work, lane) if store else verify_then(job, self.pool)
+            err = err or expired(job)
+            if err is None and not self._claim(work):
+                return None  # failed meanwhile (deadline, detach, close)
+            if err is not None:
+                self._fail(work, err)
+                return None
+            pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
+            dsts, srcs = (pool, remote) if store else (remote, pool)
+            copy_runs(self.api, dsts, srcs, lengths,
+                      ACCESS_ORDER_STREAM if store else ACCESS_ORDER_ANY, lane.stream)
+            ev = lane.done_event()
+            self.api.event_record(ev, lane.stream)
+            return ev
+        except Exception as e:  # noqa: BLE001 - reported to the client as Done
+            if work.state == QUEUED:
+                self._fail(work, e)
+            else:
+                self._end(work, e)
+            return None
 
-    def _complete(self, dev: _Device) -> None:
-        """Completion thread: poll the completion events, report each job once."""
-        self.api.set_current_context(dev.ctx)
-        inflight: list[tuple[CopyJob, _Client, int, float]] = []
-        stop_by = 0.0  # once stopping: give up on copies still running at this time
-        while True:
-            try:
-                while True:
-                    item = dev.pending.get(block=not inflight and not stop_by)
-                    if item is _STOP:
-                        stop_by = time.monotonic() + STOP_SECONDS
-                    else:
-                        inflight.append(item)
-            except queue.Empty:
-                pass
-            still = []
-            for job, c, ev, started in inflight:
-                try:
-                    ready = self.api.event_query(ev)
-                except Exception as e:  # noqa: BLE001 - the copy failed on the device
-                    self._finish(job, c, e, started)
-                    continue
-                if ready:
-                    dev.free_events.append(ev)  # list ops are atomic; the submit thread pops
-                    self._finish(job, c, None, started)
-                else:
-                    still.append((job, c, ev, started))
-            inflight = still
-            if stop_by and (not inflight or time.monotonic() > stop_by):
-                for job, c, _ev, started in inflight:  # a copy that never completes
-                    self._finish(job, c, TransferError("copy did not complete before the "
-                                                       "daemon stopped"), started)
+    def _gate(self, work: Work, lane: Lane) -> Exception | None:
+        """A store waits, on the GPU and then here, for the worker's forward pass."""
+        job, c = work.job, work.client
+        assert isinstance(c, Client)
+        if work.state != QUEUED:
+            return None
+        err = expired(job)
+        if err is not None or job.cuda_event < 0:
+            return err
+        # Binds to the worker's latest record of this event: the forward pass.
+        self.api.stream_wait_event(lane.stream, c.events[job.cuda_event])
+        self.api.event_record(lane.gate, lane.stream)
+        self.api.event_synchronize(lane.gate)  # only this client's lane waits
+        if self.on_waited is not None:  # passed: the worker may record it again, or
+            self.on_waited(job)  # destroy it, without a queued wait finding it gone
+        return None
+
+    def _claim(self, work: Work) -> bool:
+        with self._lock:
+            if work.state != QUEUED:
+                return False
+            work.state = COPYING
+            assert isinstance(work.client, Client)
+            work.client.copying += 1
+            return True
+
+    def _fail(self, work: Work, err: Exception) -> None:
+        """End a work that copied nothing, unless somebody else ended it first."""
+        with self._lock:
+            if work.state != QUEUED:
                 return
-            if inflight:
-                time.sleep(POLL_SECONDS)
+            work.state = FINISHED
+        self._report(work, err)
 
-    def _finish(self, job: CopyJob, c: _Client, err: Exception | None, started: float) -> None:
+    def _expire(self, work: Work) -> None:
+        """The watchdog: a work still queued at its deadline ends with EXPIRED."""
+        self._fail(work, expired(work.job, work.job.deadline + 1e-9) or
+                   TransferError("deadline passed", Code.EXPIRED))
+
+    def _end(self, work: Work, err: Exception | None) -> None:
+        """On the completion thread: the copies of ``work`` completed (or failed)."""
+        job, c = work.job, work.client
+        assert isinstance(c, Client)
+        if err is None and job.direction == Direction.STORE:
+            err = late(job)  # read after its client gave up: not trusted
+            if err is None:
+                try:
+                    checksum_after(job, self.pool)  # from the host copy, off the submit thread
+                except Exception as e:  # noqa: BLE001
+                    err = e
+        with self._lock:
+            work.state = FINISHED
+            c.copying -= 1
+            self._idle.notify_all()
+        self._report(work, err)
+        self._maybe_release(c)
+
+    def _report(self, work: Work, err: Exception | None) -> None:
         if err is not None and not isinstance(err, TransferError | RequestError):
             err = TransferError(f"CUDA copy failed: {err}", Code.TRANSFER_FAILED)
-        try:
-            self.on_done(job, err, time.perf_counter() - started)
-        finally:
-            with self._lock:
-                c.inflight -= 1
-                release = c.gone and c.inflight == 0
-            if release:
-                c.device.work.put(_Release(c))
+        c = work.client
+        assert isinstance(c, Client)
+        with self._lock:
+            c.works.discard(work)
+        self.on_done(work.job, err, time.perf_counter() - work.started)
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
@@ -361,43 +329,35 @@ class CudaEngine(TransferEngine):
             if self._closed:
                 return
             self._closed = True
-            devices = list(self._devices.values())
-        for dev in devices:
-            dev.work.put(_STOP)
-        for dev in devices:
-            for t in dev.threads:
-                t.join(timeout=60)
-
-    def _shutdown(self, dev: _Device) -> None:
-        """On the submit thread: drain, then free everything of this device."""
-        while True:
+            clients = [*self._clients.values(), *self._gone]
+            self._clients.clear()
+            failed = [w for c in clients for w in self._take_queued(c)]
+            for c in clients:
+                c.gone = True
+                self._gone.add(c)
+        for w in failed:
+            self._report(w, TransferError("daemon is stopping", Code.ABORTED))
+        self._watchdog.stop()
+        with self._idle:
+            drained = self._idle.wait_for(lambda: not any(c.copying for c in clients),
+                                          STOP_SECONDS)
+        for c in clients:
+            if c.copying:
+                log.warning("GPU %s: copies of pid %d did not complete before the daemon "
+                            "stopped; its handles stay open", format_uuid(c.device.uuid), c.pid)
+            else:
+                self._maybe_release(c)
+        for dev in self._devices.values():
+            if drained and dev.loads is not None and dev.loads.stop(STOP_SECONDS):
+                self._log_errors(dev, dev.loads.destroy())
             try:
-                item = dev.work.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, tuple):
-                self._finish(item[0], item[1], TransferError("daemon is stopping",
-                                                             Code.ABORTED), time.perf_counter())
-        dev.pending.put(_STOP)
-        dev.threads[1].join(timeout=STOP_SECONDS + 30)
-        with self._lock:
-            for cid, c in list(self._clients.items()):
-                if c.device is dev:
-                    del self._clients[cid]
-                    self._gone.add(c)
-            for c in [c for c in self._gone if c.device is dev]:
-                self._release(c)  # idempotent: a client released before closes nothing
-        # _Release items put after this point (late completions) find nothing to close.
-        api = self.api
-        for call, arg in ([(api.event_destroy, e) for e in dev.free_events]
-                          + [(api.stream_destroy, dev.store_stream),
-                             (api.stream_destroy, dev.load_stream),
-                             (api.release_primary_context, dev.ordinal)]):
-            try:
-                call(arg)
+                self.api.release_primary_context(dev.ordinal)
             except Exception as e:  # noqa: BLE001 - shutting down: log and go on
-                log.warning("CUDA cleanup on %s: %s", format_uuid(dev.uuid), e)
-        dev.free_events.clear()
+                self._log_errors(dev, [e])
+
+    def _log_errors(self, dev: Device, errors: list[Exception]) -> None:
+        for e in errors:
+            log.warning("CUDA cleanup on %s: %s", format_uuid(dev.uuid), e)
 
 
 class ClientCopyEngine(TransferEngine):

@@ -1,30 +1,46 @@
-"""A recording fake of the CUDA calls kvd makes (implements ``kvd_proto.cudart.CudaApi``).
+"""A fake CUDA driver that behaves like one (implements ``kvd_client.cudart.CudaApi``).
 
 It stands in for both processes of a test: the worker's allocations ("device memory" is
 a numpy buffer of this process, seen at a fake device address) and the daemon's opened
-IPC mappings (another fake address range over the same buffer). Copies really move
-bytes, translating fake device addresses; host (pool) addresses are real. Every call is
-appended to ``calls`` as ``(name, thread name, *args)`` so tests assert order.
+IPC mappings (another fake address range over the same buffer). What makes it strict:
 
-Completion is under the test's control: with ``auto_complete`` off, a recorded event is
-complete only after ``complete(event)`` or ``complete_all()``.
+- work is asynchronous: every stream has a worker thread that runs its operations later,
+  in stream order; a copy runs only after the events it waits on were recorded *and*
+  completed, and an event completes when its stream reaches the record;
+- ``launch(stream)`` enqueues a "kernel" (the forward pass) that runs until the test
+  releases it, so a test decides when a worker's event completes;
+- a context is per device and per thread: a call on a thread whose current context is
+  not the object's device fails with ``cudaErrorInvalidContext`` (201);
+- a copy outside a mapping poisons the device like a sticky ``cudaErrorIllegalAddress``:
+  every later call on that device fails;
+- a copy between device memory and host memory that is not registered
+  (``host_register``) is synchronous for the calling thread, as pageable copies are;
+- the legacy default stream (0) is refused by the batched copy;
+- the exporter destroying an event that a queued wait still references is recorded in
+  ``violations``; a copy through an IPC mapping already closed poisons the device.
+
+Every call is appended to ``calls`` as ``(name, thread name, *args)``. ``shutdown()``
+releases held kernels and stuck waits and joins every stream thread.
 """
 
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd_proto.cudart import CudaError
+from kvd_client.cudart import CudaError
 
 INVALID_VALUE = 1
 INVALID_CONTEXT = 201
-NOT_READY = 600
+INVALID_HANDLE = 400
 ILLEGAL_ADDRESS = 700
 MAP_FAILED = 205
+DEVICE_LO, DEVICE_HI = 0x7A00_0000_0000, 0x7B00_0000_0000
 
 
 @dataclass
@@ -35,29 +51,52 @@ class Allocation:
     ipc_capable: bool
 
 
+@dataclass(eq=False)
+class _Event:
+    device: int
+    recorded: int = 0  # sequence number of the latest record call
+    completed: int = 0  # the latest record its stream reached
+    waiters: int = 0  # queued waits that reference it
+    destroyed: bool = False
+
+
+@dataclass(eq=False)
+class _Stream:
+    ident: int
+    device: int
+    ops: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    enqueued: int = 0
+    retired: int = 0
+    thread: threading.Thread | None = None
+
+
 class FakeCuda:
     def __init__(self, uuids: tuple[bytes, ...] = (bytes(range(16)),), *,
-                 driver: int = 12090, auto_complete: bool = True) -> None:
+                 driver: int = 12090, runtime: int = 12090) -> None:
         self.uuids = list(uuids)
-        self.driver = driver
-        self.auto_complete = auto_complete
+        self.driver, self.runtime = driver, runtime
         self.calls: list[tuple] = []
+        self.violations: list[str] = []
         self.allocs: list[Allocation] = []
         self.maps: dict[int, Allocation] = {}  # daemon-side devptr -> allocation
         self.handles: dict[bytes, Allocation] = {}
         self.open_count: dict[bytes, int] = {}
-        self.ipc_events: dict[bytes, int] = {}  # handle -> worker event
-        self.events: set[int] = set()
-        self.recorded: set[int] = set()
-        self.completed: set[int] = set()
-        self.registered: dict[int, int] = {}
+        self.registered: dict[int, int] = {}  # host ptr -> bytes (cudaHostRegister)
+        self.poisoned: set[int] = set()  # devices with a sticky error
         self.fail_register: set[int] = set()  # chunk index (by call order) that fails
         self.fail_open = False
         self.last_error = 0
+        self._events: dict[int, _Event] = {}  # handle (worker's or imported) -> event
+        self._owner: dict[int, bool] = {}  # handle -> created here (not imported)
+        self._ipc_events: dict[bytes, _Event] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._threads: list[threading.Thread] = []
+        self._gates: list[threading.Event] = []
+        self._stopping = False
         self._next = 0x1000
-        self._next_addr = 0x7A00_0000_0000
-        self._lock = threading.Lock()
-        self._ctx = threading.local()
+        self._next_addr = DEVICE_LO
+        self._cv = threading.Condition()
+        self._tls = threading.local()
 
     # ------------------------------------------------------------ helpers for tests
     def alloc(self, nbytes: int, device: int = 0, ipc_capable: bool = True) -> int:
@@ -73,57 +112,140 @@ class FakeCuda:
         raise KeyError(worker_ptr)
 
     def names(self, *only: str) -> list[str]:
-        return [c[0] for c in self.calls if not only or c[0] in only]
+        return [c[0] for c in list(self.calls) if not only or c[0] in only]
 
     def of(self, name: str) -> list[tuple]:
-        return [c for c in self.calls if c[0] == name]
+        return [c for c in list(self.calls) if c[0] == name]
 
-    def complete(self, event: int) -> None:
-        with self._lock:
-            self.completed.add(event)
+    def launch(self, stream: int) -> threading.Event:
+        """Enqueue a kernel on ``stream`` that runs until the returned event is set."""
+        gate = threading.Event()
+        self._gates.append(gate)
+        self._enqueue("launch", self._stream(stream), gate.wait)
+        return gate
 
-    def complete_all(self) -> None:
-        with self._lock:
-            self.completed |= self.recorded
+    def idle(self, timeout: float = 5.0) -> bool:
+        """Wait until every stream ran all it was given (True) or ``timeout`` passed."""
+        with self._cv:
+            return self._cv.wait_for(lambda: all(s.retired == s.enqueued
+                                                 for s in self._streams.values()), timeout)
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+        """Block until ``cond()`` (evaluated whenever the fake's state changes)."""
+        with self._cv:
+            return self._cv.wait_for(cond, timeout)
+
+    def shutdown(self) -> None:
+        """Release held kernels and stuck waits, stop and join every stream thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        for g in self._gates:
+            g.set()
+        for s in list(self._streams.values()):
+            s.ops.put(None)
+        for t in self._threads:
+            t.join(10)
+            assert not t.is_alive(), f"{t.name} did not stop"
 
     # ------------------------------------------------------------ internals
     def _addr(self, nbytes: int) -> int:
-        with self._lock:
+        with self._cv:
             a = self._next_addr
             self._next_addr += (nbytes + 0xFFFFF) & ~0xFFFFF
             return a
 
     def _id(self) -> int:
-        with self._lock:
+        with self._cv:
             self._next += 1
             return self._next
 
     def _rec(self, name: str, *args: object) -> None:
-        with self._lock:
+        with self._cv:
             self.calls.append((name, threading.current_thread().name, *args))
+            self._cv.notify_all()
 
-    def _need_ctx(self, call: str) -> None:
-        if getattr(self._ctx, "ctx", None) is None:
+    def _ctx(self, call: str, device: int | None = None) -> int:
+        """The calling thread's device; fails without the right current context or on
+        a poisoned device (sticky error)."""
+        ctx = getattr(self._tls, "ctx", None)
+        if ctx is None or (device is not None and ctx != 0xC0 + device):
             raise CudaError(call, INVALID_CONTEXT, "cudaErrorInvalidContext")
+        dev = ctx - 0xC0
+        if dev in self.poisoned:
+            raise CudaError(call, ILLEGAL_ADDRESS, "cudaErrorIllegalAddress (sticky)")
+        return dev
 
-    def _real(self, addr: int, n: int) -> int:
-        """Host addresses pass through; daemon device addresses map to their buffer."""
+    def _stream(self, ident: int, call: str = "launch") -> _Stream:
+        s = self._streams.get(ident)
+        if s is None:
+            raise CudaError(call, INVALID_HANDLE, f"no stream {ident}")
+        return s
+
+    def _event(self, handle: int, call: str) -> _Event:
+        ev = self._events.get(handle)
+        if ev is None:
+            raise CudaError(call, INVALID_HANDLE, "cudaErrorInvalidResourceHandle")
+        return ev
+
+    def _enqueue(self, name: str, s: _Stream, op: Callable[[], None]) -> threading.Event:
+        retired = threading.Event()
+        with self._cv:
+            s.enqueued += 1
+        s.ops.put((name, op, retired))
+        return retired
+
+    def _run_stream(self, s: _Stream) -> None:
+        while True:
+            item = s.ops.get()
+            if item is None:
+                return
+            _name, op, retired = item
+            if s.device not in self.poisoned:
+                op()
+            retired.set()
+            with self._cv:
+                s.retired += 1
+                self._cv.notify_all()
+
+    def _real(self, addr: int, n: int, device: int) -> int | None:
+        """A daemon or worker device address -> its bytes; host addresses pass through;
+        None when the range is outside every mapping (the caller poisons the device)."""
+        if not DEVICE_LO <= addr < DEVICE_HI:
+            return addr
         views = [*self.maps.items(), *((a.worker_base, a) for a in self.allocs)]
-        for base, a in views:  # the daemon's mappings, and the worker's own addresses
+        for base, a in views:
             if base <= addr < base + len(a.buf):
-                if addr + n > base + len(a.buf):
-                    raise CudaError("copy", ILLEGAL_ADDRESS, "cudaErrorIllegalAddress")
-                return a.buf.ctypes.data + (addr - base)
-        if addr >= 0x7A00_0000_0000 and addr < 0x7B00_0000_0000:
-            raise CudaError("copy", ILLEGAL_ADDRESS, "cudaErrorIllegalAddress")
-        return addr
+                return a.buf.ctypes.data + (addr - base) if addr + n <= base + len(a.buf) \
+                    else None
+        return None
 
-    # ------------------------------------------------------------ CudaApi
+    def _pinned(self, addr: int, n: int) -> bool:
+        return DEVICE_LO <= addr < DEVICE_HI or any(
+            p <= addr and addr + n <= p + k for p, k in self.registered.items())
+
+    def _copy(self, call: str, s: _Stream, runs: list[tuple[int, int, int]]) -> None:
+        def op() -> None:
+            for d, src, n in runs:
+                rd, rs = self._real(d, n, s.device), self._real(src, n, s.device)
+                if rd is None or rs is None:
+                    self.poisoned.add(s.device)
+                    return
+                ctypes.memmove(rd, rs, n)
+
+        retired = self._enqueue(call, s, op)
+        if not all(self._pinned(d, n) and self._pinned(src, n) for d, src, n in runs):
+            retired.wait()  # pageable memory: the call returns when the copy is done
+
+    # ------------------------------------------------------------ devices and contexts
     def init(self) -> None:
         self._rec("init")
 
     def driver_version(self) -> int:
         return self.driver
+
+    def runtime_version(self) -> int:
+        return self.runtime
 
     def device_count(self) -> int:
         return len(self.uuids)
@@ -138,13 +260,15 @@ class FakeCuda:
     def release_primary_context(self, ordinal: int) -> None:
         self._rec("release_primary_context", ordinal)
 
-    def set_current_context(self, ctx: int) -> None:
-        self._ctx.ctx = ctx
+    def set_current_context(self, ctx: int | None) -> None:
+        self._tls.ctx = ctx
 
+    # ------------------------------------------------------------ export / import
     def address_range(self, ptr: int) -> tuple[int, int]:
-        for a in self.allocs:
-            if a.worker_base <= ptr < a.worker_base + len(a.buf):
-                return a.worker_base, len(a.buf)
+        self._ctx("cuMemGetAddressRange")
+        for base, a in [*((a.worker_base, a) for a in self.allocs), *self.maps.items()]:
+            if base <= ptr < base + len(a.buf):
+                return base, len(a.buf)
         raise CudaError("cuMemGetAddressRange", INVALID_VALUE, "CUDA_ERROR_NOT_FOUND")
 
     def _alloc_of(self, ptr: int) -> Allocation:
@@ -167,12 +291,13 @@ class FakeCuda:
         return h
 
     def ipc_get_event_handle(self, event: int) -> bytes:
+        ev = self._event(event, "cudaIpcGetEventHandle")
         h = b"EVT!" + event.to_bytes(8, "little") + bytes(52)
-        self.ipc_events[h] = event
+        self._ipc_events[h] = ev
         return h
 
     def ipc_open_mem_handle(self, handle: bytes) -> int:
-        self._need_ctx("cudaIpcOpenMemHandle")
+        self._ctx("cudaIpcOpenMemHandle")
         if self.fail_open or handle not in self.handles:
             raise CudaError("cudaIpcOpenMemHandle", MAP_FAILED, "cudaErrorMapBufferObjectFailed")
         if self.open_count.get(handle, 0):  # one open per context per exporting process
@@ -185,7 +310,7 @@ class FakeCuda:
         return ptr
 
     def ipc_close_mem_handle(self, devptr: int) -> None:
-        self._need_ctx("cudaIpcCloseMemHandle")
+        self._ctx("cudaIpcCloseMemHandle")
         a = self.maps.pop(devptr, None)
         if a is None:
             raise CudaError("cudaIpcCloseMemHandle", INVALID_VALUE, "not open")
@@ -194,71 +319,140 @@ class FakeCuda:
         self._rec("ipc_close_mem_handle", devptr)
 
     def ipc_open_event_handle(self, handle: bytes) -> int:
-        self._need_ctx("cudaIpcOpenEventHandle")
-        ev = self._id()
-        self.events.add(ev)
-        self._rec("ipc_open_event_handle", handle, ev)
-        return ev
+        self._ctx("cudaIpcOpenEventHandle")
+        ev = self._ipc_events.get(handle)
+        if ev is None or ev.destroyed:
+            raise CudaError("cudaIpcOpenEventHandle", INVALID_VALUE, "no such event")
+        h = self._id()
+        self._events[h], self._owner[h] = ev, False
+        self._rec("ipc_open_event_handle", handle, h)
+        return h
 
+    # ------------------------------------------------------------ streams and events
     def stream_create(self) -> int:
-        self._need_ctx("cudaStreamCreateWithFlags")
-        s = self._id()
-        self._rec("stream_create", s)
-        return s
+        dev = self._ctx("cudaStreamCreateWithFlags")
+        s = _Stream(self._id(), dev)
+        s.thread = threading.Thread(target=self._run_stream, args=(s,), daemon=True,
+                                    name=f"fake-stream-{s.ident}")
+        self._streams[s.ident] = s
+        self._threads.append(s.thread)
+        s.thread.start()
+        self._rec("stream_create", s.ident)
+        return s.ident
 
     def stream_destroy(self, stream: int) -> None:
+        s = self._stream(stream, "cudaStreamDestroy")
+        self._ctx("cudaStreamDestroy", s.device)
         self._rec("stream_destroy", stream)
+        del self._streams[stream]
+        s.ops.put(None)  # queued work still runs; the thread ends after it
 
     def stream_synchronize(self, stream: int) -> None:
+        s = self._stream(stream, "cudaStreamSynchronize")
+        self._ctx("cudaStreamSynchronize", s.device)
         self._rec("stream_synchronize", stream)
+        with self._cv:
+            target = s.enqueued
+            self._cv.wait_for(lambda: s.retired >= target or self._stopping
+                              or s.device in self.poisoned)
+        self._ctx("cudaStreamSynchronize", s.device)
 
     def stream_wait_event(self, stream: int, event: int) -> None:
-        self._need_ctx("cudaStreamWaitEvent")
+        s = self._stream(stream, "cudaStreamWaitEvent")
+        self._ctx("cudaStreamWaitEvent", s.device)
+        ev = self._event(event, "cudaStreamWaitEvent")
         self._rec("stream_wait_event", stream, event)
+        with self._cv:
+            if ev.destroyed:
+                self.violations.append(f"wait on event {event}, destroyed by its exporter")
+            target = ev.recorded  # binds to the latest record at the time of the call
+            ev.waiters += 1
 
-    def event_create(self, interprocess: bool = False) -> int:
-        self._need_ctx("cudaEventCreateWithFlags")
-        ev = self._id()
-        self.events.add(ev)
-        self._rec("event_create", ev, interprocess)
-        return ev
+        def op() -> None:
+            with self._cv:
+                self._cv.wait_for(lambda: ev.completed >= target or self._stopping)
+                ev.waiters -= 1
+                self._cv.notify_all()
+
+        self._enqueue("wait", s, op)
+
+    def event_create(self, interprocess: bool = False, blocking: bool = False) -> int:
+        dev = self._ctx("cudaEventCreateWithFlags")
+        h = self._id()
+        self._events[h], self._owner[h] = _Event(dev), True
+        self._rec("event_create", h, interprocess)
+        return h
 
     def event_destroy(self, event: int) -> None:
-        if event not in self.events:
-            raise CudaError("cudaEventDestroy", INVALID_VALUE, "not an event")
-        self.events.discard(event)
+        ev = self._event(event, "cudaEventDestroy")
+        self._ctx("cudaEventDestroy", ev.device)
+        with self._cv:
+            if self._owner[event] and ev.waiters:
+                self.violations.append(f"event {event} destroyed by its exporter while "
+                                       f"{ev.waiters} queued wait(s) reference it")
+            if self._owner[event]:
+                ev.destroyed = True
+            del self._events[event]
         self._rec("event_destroy", event)
 
     def event_record(self, event: int, stream: int) -> None:
-        self._need_ctx("cudaEventRecord")
-        with self._lock:
-            self.recorded.add(event)
-            self.completed.discard(event)
+        ev = self._event(event, "cudaEventRecord")
+        s = self._stream(stream, "cudaEventRecord")
+        self._ctx("cudaEventRecord", s.device)
+        with self._cv:
+            ev.recorded += 1
+            seq = ev.recorded
+
+        def op() -> None:
+            with self._cv:
+                ev.completed = max(ev.completed, seq)
+                self._cv.notify_all()
+
         self._rec("event_record", event, stream)
+        self._enqueue("record", s, op)
 
     def event_query(self, event: int) -> bool:
-        with self._lock:
-            return self.auto_complete or event in self.completed
+        ev = self._event(event, "cudaEventQuery")
+        self._ctx("cudaEventQuery", ev.device)
+        self._rec("event_query", event)
+        with self._cv:
+            return ev.completed >= ev.recorded
 
+    def event_synchronize(self, event: int) -> None:
+        ev = self._event(event, "cudaEventSynchronize")
+        self._ctx("cudaEventSynchronize", ev.device)
+        self._rec("event_synchronize", event)
+        with self._cv:
+            target = ev.recorded
+            self._cv.wait_for(lambda: ev.completed >= target or self._stopping
+                              or ev.device in self.poisoned)
+        self._ctx("cudaEventSynchronize", ev.device)  # a sticky error surfaces here
+
+    # ------------------------------------------------------------ copies
     def has_batch_copy(self) -> bool:
         return self.driver >= 12080
 
     def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                      access_order: int, stream: int) -> None:
-        self._need_ctx("cuMemcpyBatchAsync")
+        if stream == 0:
+            raise CudaError("cuMemcpyBatchAsync", INVALID_VALUE,
+                            "CUDA_ERROR_INVALID_VALUE (legacy default stream)")
+        s = self._stream(stream, "cuMemcpyBatchAsync")
+        self._ctx("cuMemcpyBatchAsync", s.device)
         assert self.has_batch_copy()
         self._rec("memcpy_batch", stream, np.array(dsts, np.uint64), np.array(srcs, np.uint64),
                   np.array(sizes, np.uint64), access_order)
-        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
-            ctypes.memmove(self._real(d, n), self._real(s, n), n)
+        self._copy("memcpy_batch", s, list(zip(dsts.tolist(), srcs.tolist(), sizes.tolist())))
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._need_ctx("cudaMemcpyAsync")
+        s = self._stream(stream, "cudaMemcpyAsync")
+        self._ctx("cudaMemcpyAsync", s.device)
         self._rec("memcpy_async", stream, dst, src, nbytes)
-        ctypes.memmove(self._real(dst, nbytes), self._real(src, nbytes), nbytes)
+        self._copy("memcpy_async", s, [(dst, src, nbytes)])
 
+    # ------------------------------------------------------------ pinning
     def host_register(self, ptr: int, nbytes: int) -> None:
-        self._need_ctx("cudaHostRegister")
+        self._ctx("cudaHostRegister")
         index = len(self.of("host_register"))
         self._rec("host_register", ptr, nbytes)
         if index in self.fail_register or nbytes >= 512 << 30:
@@ -267,6 +461,7 @@ class FakeCuda:
         self.registered[ptr] = nbytes
 
     def host_unregister(self, ptr: int) -> None:
+        self._ctx("cudaHostUnregister")
         self._rec("host_unregister", ptr)
         del self.registered[ptr]
 

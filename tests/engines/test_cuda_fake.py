@@ -1,51 +1,55 @@
-"""The CUDA data path against a recording fake of the driver (no GPU needed).
+"""The CUDA data path against a fake driver that behaves like one (no GPU needed).
 
-What is checked: call order (the store stream waits on the worker's event before the
-copy; Done only after the copy's completion event), the address/size arrays for
-multi-layer layouts and TP ranks, open-once/close-once of IPC handles, the event-ring
-reuse rule, chunked pinning, and the refusals. Bytes really move (the fake copies), so
-data placement is checked too.
+The fake (tests/engines/fake_cuda.py) runs copies later, on per-stream threads, after
+the events they wait on completed; contexts are per thread; out-of-bounds copies poison
+the device; pageable copies are synchronous. What is checked: call order (the store
+lane waits on the worker's event before the copy; Done only after the copy completed),
+the address/size arrays for multi-layer layouts and TP ranks, open-once/close-once of
+IPC handles, the event-ring reuse rule, chunked pinning, the refusals, and the seven
+defects of issue 13 (each test named ``test_d<N>_...``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 import numpy as np
 import pytest
+import xxhash
 
-from kvd.engines.base import CopyJob
+from kvd.engines.base import ChecksumSpec, CopyJob
 from kvd.engines.cuda import ClientCopyEngine, CudaEngine, refuse_foreign_pid_namespace
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner, chunks
 from kvd_client.cuda import (ClientCopier, CudaExportRefused, EventRing, GpuTensor,
                              export_regions)
+from kvd_client.cudart import CudaUnavailable, load, version_refusal
+from kvd_client.errors import KvdClientError
 from kvd_proto import messages as m
 from tests.engines.fake_cuda import FakeCuda
 
 BLOCKS = 8
-
-
-def wait_for(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.002)
+WORKER_CTX = 0xC0
 
 
 class Rig:
-    """A daemon-side engine plus one worker's exported layers, built like the service."""
+    """A daemon-side engine plus one worker's exported layers, built like the service.
+
+    The worker's compute stream is ``compute``; ``forward()`` holds it with a kernel
+    (a forward pass) until the returned gate is set."""
 
     def __init__(self, fake: FakeCuda, pages=(4096,), rank=0, tp=1, events=4,
-                 one_allocation=False) -> None:
+                 one_allocation=False, engine: CudaEngine | None = None, client=7,
+                 pool_slots=16, pin=True, **engine_kw) -> None:
         self.fake = fake
         self.done: list[tuple[CopyJob, Exception | None]] = []
         self.waited: list[CopyJob] = []
         self.pages = list(pages)
-        self.rank, self.tp = rank, tp
-        self.engine = CudaEngine(self.on_done, fake, on_waited=self.on_waited)
+        self.rank, self.tp, self.client = rank, tp, client
+        self.engine = engine or CudaEngine(self.on_done, fake, on_waited=self.on_waited,
+                                           **engine_kw)
         strides = [p * 2 for p in self.pages]  # padding between blocks: not contiguous
         if one_allocation:  # several layers inside one caching-allocator block
             total = sum(s * BLOCKS for s in strides) + 512
@@ -60,26 +64,40 @@ class Rig:
             buf = fake.buffer(t.ptr)
             for b in range(BLOCKS):
                 buf[b * t.stride:b * t.stride + t.page_bytes] = (16 * i + b + 1) % 256
-        fake.set_current_context(0xC0)  # the worker: torch made its context current
+        fake.set_current_context(WORKER_CTX)  # the worker: torch made its context current
+        self.compute = fake.stream_create()
         self.ring = EventRing(events, fake)
         self.reg = m.Register(1, m.Fingerprint("m", "bf16", "bf16", 16, tp, self.pages, "h",
                                                b""), rank, [],
                               export_regions(self.tensors, fake), self.ring.handles)
-        fake.set_current_context(None)  # the daemon's attach must make its own current
         self.rank_bytes = sum(self.pages)
-        self.pool = np.zeros(self.rank_bytes * tp * 16, np.uint8)
-        self.bases = self.engine.attach(7, 4242, self.reg)
-        fake.set_current_context(0xC0)
+        self.pool = np.zeros(self.rank_bytes * tp * pool_slots, np.uint8)
+        if pin:
+            fake.host_register(self.pool.ctypes.data, self.pool.nbytes)
+        fake.set_current_context(None)  # the daemon's attach must make its own current
+        self.bases = self.engine.attach(client, 4242, self.reg)
+        fake.set_current_context(WORKER_CTX)
 
     def on_done(self, job, err, seconds) -> None:
         self.fake._rec("on_done", job.event)
         self.done.append((job, err))
+        with self.fake._cv:
+            self.fake._cv.notify_all()
 
     def on_waited(self, job) -> None:
         self.fake._rec("on_waited", job.cuda_event)
         self.waited.append(job)
+        self.ring.waited(job.cuda_event)  # what the worker does on EventWaited
 
-    def job(self, direction, blocks, slots, event=0, cuda_event=-1, client=7) -> CopyJob:
+    def forward(self) -> tuple[threading.Event, int]:
+        """A forward pass on the compute stream, then the store's event recorded."""
+        gate = self.fake.launch(self.compute)
+        ev = self.ring.record_next(self.compute)
+        assert ev is not None
+        return gate, ev
+
+    def job(self, direction, blocks, slots, event=0, cuda_event=-1, client=None,
+            deadline=math.inf) -> CopyJob:
         """The service's formula: remote = base + block * stride; pool = slot + rank + page."""
         blocks = np.array(blocks, np.uint64)
         slots = np.array(slots, np.uint64)
@@ -91,8 +109,23 @@ class Rig:
                   + blocks[:, None] * np.array([t.stride for t in self.tensors],
                                                np.uint64)[None, :])
         lengths = np.broadcast_to(np.array(self.pages, np.uint64), remote.shape)
-        return CopyJob(client, event, event, direction, 4242, pool.ravel(), remote.ravel(),
-                       lengths.ravel().copy(), slots.astype(np.int64), cuda_event)
+        return CopyJob(self.client if client is None else client, event, event, direction,
+                       4242, pool.ravel(), remote.ravel(), lengths.ravel().copy(),
+                       slots.astype(np.int64), cuda_event, deadline)
+
+    def lanes(self) -> tuple[int, int]:
+        """(load lane, this client's store lane) streams, from the fake's record."""
+        made = [c[2] for c in self.fake.of("stream_create")]
+        mine = made[made.index(self.compute) + 1:]
+        if len(mine) == 1 or len(mine) > 1 and self.client != 7:
+            return made[1], mine[0]  # the engine existed: the load lane came earlier
+        return mine[0], mine[1]
+
+    def wait_done(self, n: int = 1, timeout: float = 5.0) -> bool:
+        return self.fake.wait_for(lambda: len(self.done) >= n, timeout)
+
+    def err(self, event: int) -> Exception | None:
+        return next(e for j, e in self.done if j.event == event)
 
     def slot_bytes(self, slot: int, layer: int) -> np.ndarray:
         off = slot * self.rank_bytes * self.tp + self.rank * self.rank_bytes \
@@ -106,43 +139,48 @@ class Rig:
 
 @pytest.fixture
 def fake():
-    return FakeCuda()
+    f = FakeCuda()
+    yield f
+    f.shutdown()
+    assert f.violations == []
+
+
+def copies_of(fake: FakeCuda, rig: Rig) -> list[tuple]:
+    return [c for c in fake.of("memcpy_batch") if c[2] != rig.compute]
+
+
+# ------------------------------------------------------------ the data path
 
 
 def test_store_waits_on_event_before_copy_and_done_follows_completion(fake):
-    fake.auto_complete = False
     rig = Rig(fake)
-    ev = rig.ring.record_next(stream=99)
-    assert ev == 0
+    gate, ev = rig.forward()
     rig.engine.submit(rig.job(m.Direction.STORE, [3], [5], event=1, cuda_event=ev))
-    wait_for(lambda: fake.of("event_record")[-1][3] != 99)
-    time.sleep(0.02)
-    assert rig.done == []  # copy enqueued but its completion event has not fired
-    store_stream = fake.of("stream_create")[0][2]
+    assert fake.wait_for(lambda: fake.of("stream_wait_event"))
+    assert not rig.done and not fake.of("memcpy_batch")  # the forward pass still runs
+    gate.set()
+    assert rig.wait_done()
     seq = [c for c in fake.calls if c[0] in ("stream_wait_event", "on_waited", "memcpy_batch",
-                                             "event_record", "on_done")][1:]  # 0: worker
-    assert [c[0] for c in seq] == ["stream_wait_event", "on_waited", "memcpy_batch",
-                                   "event_record"]
+                                             "on_done")]
+    assert [c[0] for c in seq] == ["stream_wait_event", "on_waited", "memcpy_batch", "on_done"]
     imported = fake.of("ipc_open_event_handle")[ev][3]
-    assert seq[0][2:] == (store_stream, imported)
-    assert seq[2][2] == store_stream and seq[3][3] == store_stream
+    lane_stream = seq[0][2]
+    assert seq[0][3] == imported and seq[2][2] == lane_stream != rig.compute
     assert seq[2][6] == 1  # srcAccessOrder STREAM: the source is live GPU memory
-    fake.complete(seq[3][2])
-    wait_for(lambda: rig.done)
-    assert fake.names()[-1] == "on_done" and rig.done[0][1] is None
+    assert rig.done[0][1] is None
     assert np.array_equal(rig.slot_bytes(5, 0), rig.block_bytes(3, 0))
     rig.engine.close()
 
 
-def test_load_needs_no_event_and_uses_the_load_stream(fake):
+def test_load_needs_no_event_and_uses_its_own_lane(fake):
     rig = Rig(fake)
     rig.pool[:] = 0xAB
     rig.engine.submit(rig.job(m.Direction.LOAD, [2], [1], event=4))
-    wait_for(lambda: rig.done)
-    load_stream = fake.of("stream_create")[1][2]
+    assert rig.wait_done()
     assert not fake.of("stream_wait_event") and not rig.waited
     (call,) = fake.of("memcpy_batch")
-    assert call[2] == load_stream and call[6] == 3  # ANY: the pinned pool is stable
+    assert call[6] == 3  # ANY: the pinned pool is stable
+    assert call[1].startswith("kvd-cuda-load")
     assert (rig.block_bytes(2, 0) == 0xAB).all()
     rig.engine.close()
 
@@ -152,7 +190,7 @@ def test_multi_layer_tp_rank_arrays(fake):
     rig = Rig(fake, pages=pages, rank=1, tp=2)
     blocks, slots = [0, 5, 6], [9, 2, 3]
     rig.engine.submit(rig.job(m.Direction.STORE, blocks, slots, cuda_event=-1))
-    wait_for(lambda: rig.done)
+    assert rig.wait_done()
     (call,) = fake.of("memcpy_batch")
     dsts, srcs, sizes = call[3], call[4], call[5]
     base = rig.pool.ctypes.data
@@ -169,7 +207,6 @@ def test_multi_layer_tp_rank_arrays(fake):
     for b, s in zip(blocks, slots):
         for layer in range(3):
             assert np.array_equal(rig.slot_bytes(s, layer), rig.block_bytes(b, layer))
-    # The other rank's half of each slot is untouched.
     assert not rig.pool[9 * 2 * rank_bytes:9 * 2 * rank_bytes + rank_bytes].any()
     rig.engine.close()
 
@@ -181,7 +218,7 @@ def test_offsets_inside_one_allocation_use_the_opened_pointer(fake):
     assert rig.bases == [opened + 256, opened + 256 + 1024 * BLOCKS]
     assert all(b != t.ptr for b, t in zip(rig.bases, rig.tensors))  # not the worker's view
     rig.engine.submit(rig.job(m.Direction.STORE, [7], [0]))
-    wait_for(lambda: rig.done)
+    assert rig.wait_done()
     assert np.array_equal(rig.slot_bytes(0, 1), rig.block_bytes(7, 1))
     rig.engine.close()
 
@@ -190,9 +227,8 @@ def test_contiguous_runs_coalesce(fake):
     rig = Rig(fake)
     t = rig.tensors[0]
     rig.tensors[0] = GpuTensor(t.ptr, t.num_blocks, t.page_bytes, t.page_bytes)
-    job = rig.job(m.Direction.STORE, [1, 2, 3, 6], [4, 5, 6, 0])
-    rig.engine.submit(job)
-    wait_for(lambda: rig.done)
+    rig.engine.submit(rig.job(m.Direction.STORE, [1, 2, 3, 6], [4, 5, 6, 0]))
+    assert rig.wait_done()
     (call,) = fake.of("memcpy_batch")
     assert call[5].tolist() == [3 * 4096, 4096]
     rig.engine.close()
@@ -202,7 +238,7 @@ def test_old_driver_copies_coalesced_runs_one_by_one(fake):
     fake.driver = 12040
     rig = Rig(fake, pages=(1024, 2048))
     rig.engine.submit(rig.job(m.Direction.STORE, [1, 4], [0, 3]))
-    wait_for(lambda: rig.done)
+    assert rig.wait_done()
     assert not fake.of("memcpy_batch")
     # Per slot the two layers are adjacent in the pool but not on the device: 4 runs.
     assert [c[5] for c in fake.of("memcpy_async")] == [1024, 2048, 1024, 2048]
@@ -211,20 +247,14 @@ def test_old_driver_copies_coalesced_runs_one_by_one(fake):
 
 
 def test_handles_open_once_and_close_once_after_copies_drain(fake):
-    fake.auto_complete = False
     rig = Rig(fake, pages=(512, 512), one_allocation=True)
     rig.engine.attach(8, 4242, rig.reg)  # same pid registers again (second connection)
     assert len(fake.of("ipc_open_mem_handle")) == 1
     assert len(fake.of("ipc_open_event_handle")) == len(rig.ring)
-    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1]))
-    wait_for(lambda: fake.of("event_record"))
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], cuda_event=-1))
+    assert rig.wait_done()
     rig.engine.detach(7)
     rig.engine.detach(8)
-    time.sleep(0.05)
-    assert not fake.of("ipc_close_mem_handle")  # a copy is still in flight
-    fake.complete_all()
-    wait_for(lambda: fake.of("ipc_close_mem_handle"))
-    time.sleep(0.02)
     assert len(fake.of("ipc_close_mem_handle")) == 1
     assert fake.names("on_done", "ipc_close_mem_handle") == ["on_done", "ipc_close_mem_handle"]
     imported = {c[3] for c in fake.of("ipc_open_event_handle")}
@@ -237,7 +267,7 @@ def test_handles_open_once_and_close_once_after_copies_drain(fake):
 def test_close_closes_every_handle_once_and_answers_every_job(fake):
     rig = Rig(fake, pages=(512,))
     for i in range(20):
-        rig.engine.submit(rig.job(m.Direction.LOAD, [i % BLOCKS], [i], event=i))
+        rig.engine.submit(rig.job(m.Direction.LOAD, [i % BLOCKS], [i % 16], event=i))
     rig.engine.close()
     assert len(rig.done) == 20 and len({j.event for j, _ in rig.done}) == 20
     assert len(fake.of("ipc_close_mem_handle")) == 1
@@ -246,14 +276,17 @@ def test_close_closes_every_handle_once_and_answers_every_job(fake):
     assert fake.of("release_primary_context")
 
 
-def test_detached_client_with_copy_in_flight_is_closed_at_shutdown(fake):
-    fake.auto_complete = False
+def test_close_waits_for_a_copy_on_the_gpu_then_closes_its_handles(fake):
     rig = Rig(fake)
+    hold = fake.launch(rig.lanes()[1])  # the copy engine is busy
     rig.engine.submit(rig.job(m.Direction.STORE, [1], [1]))
-    wait_for(lambda: fake.of("memcpy_batch"))
+    assert fake.wait_for(lambda: fake.of("memcpy_batch"))
     rig.engine.detach(7)
-    threading.Timer(0.1, fake.complete_all).start()
-    rig.engine.close()
+    assert not fake.of("ipc_close_mem_handle")  # its copy is still on the GPU
+    closer = threading.Thread(target=rig.engine.close)
+    closer.start()
+    hold.set()
+    closer.join(10)
     assert len(rig.done) == 1 and rig.done[0][1] is None
     assert len(fake.of("ipc_close_mem_handle")) == 1
 
@@ -266,15 +299,18 @@ def test_unknown_client_and_bad_event_index_fail_the_job(fake):
     rig.engine.close()
 
 
-def test_event_ring_reuse_only_after_the_wait_was_enqueued(fake):
+def test_event_ring_reuse_only_after_the_daemon_passed_the_wait(fake):
     rig = Rig(fake, events=2)
-    a, b = rig.ring.record_next(1), rig.ring.record_next(1)
-    assert {a, b} == {0, 1} and rig.ring.record_next(1) is None
+    gate, a = rig.forward()
+    b = rig.ring.record_next(rig.compute)
+    assert {a, b} == {0, 1} and rig.ring.record_next(rig.compute) is None
     assert rig.ring.exhausted == 1
     rig.engine.submit(rig.job(m.Direction.STORE, [0], [0], cuda_event=a))
-    wait_for(lambda: rig.waited)
-    rig.ring.waited(rig.waited[0].cuda_event)  # what the client does on EventWaited
-    assert rig.ring.record_next(1) == a
+    assert fake.wait_for(lambda: fake.of("stream_wait_event"))
+    assert rig.ring.in_use() == 2  # the wait is queued behind the forward pass
+    gate.set()
+    assert rig.wait_done()
+    assert rig.ring.record_next(rig.compute) == a
     rig.ring.waited(b)
     rig.ring.waited(b)  # Done after EventWaited: idempotent
     assert rig.ring.in_use() == 1
@@ -283,13 +319,257 @@ def test_event_ring_reuse_only_after_the_wait_was_enqueued(fake):
     rig.engine.close()
 
 
-def test_failed_copy_is_reported_and_still_releases_the_event(fake):
+def test_device_error_is_reported_and_sticks(fake):
     rig = Rig(fake)
-    job = rig.job(m.Direction.STORE, [0], [0], cuda_event=0)
+    job = rig.job(m.Direction.STORE, [0], [0])
     job.remote = job.remote + np.uint64(10 ** 9)  # outside the opened mapping
     rig.engine.submit(job)
-    wait_for(lambda: rig.done)
-    assert isinstance(rig.done[0][1], TransferError) and rig.waited
+    assert rig.wait_done()
+    assert isinstance(rig.done[0][1], TransferError) and "700" in str(rig.done[0][1])
+    rig.engine.submit(rig.job(m.Direction.LOAD, [0], [0], event=2))
+    assert rig.wait_done(2) and isinstance(rig.done[1][1], TransferError)  # sticky
+    rig.engine.close()
+
+
+# ------------------------------------------------------------ issue 13, defect by defect
+
+
+def test_d1_bindings_of_a_newer_cuda_major_are_refused_with_the_fix():
+    with pytest.raises(CudaUnavailable, match=r"kvd\[cu12\]") as e:
+        load(FakeCuda(driver=12090, runtime=13040))
+    assert "cudaErrorInsufficientDriver" in str(e.value)
+    assert load(FakeCuda(driver=13000, runtime=12090)).driver_version() == 13000
+    assert version_refusal(12080, 12090) is None  # minor versions are compatible
+
+
+def test_d3_a_client_stuck_on_its_event_does_not_hold_back_another(fake):
+    rig = Rig(fake)
+    other = Rig(fake, engine=rig.engine, client=8)
+    other.done = rig.done
+    gate, ev = rig.forward()  # client 7's forward pass never ends (in this test)
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev))
+    g2, ev2 = other.forward()
+    g2.set()
+    rig.engine.submit(other.job(m.Direction.STORE, [2], [2], event=2, cuda_event=ev2))
+    assert rig.wait_done(1, timeout=3)  # the old shared store stream: never
+    assert [j.event for j, _ in rig.done] == [2] and rig.done[0][1] is None
+    gate.set()
+    assert rig.wait_done(2)
+    rig.engine.close()
+
+
+def test_d3_a_gone_clients_queued_jobs_fail_before_their_wait(fake):
+    rig = Rig(fake)
+    gate, ev = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev))
+    assert fake.wait_for(lambda: fake.of("stream_wait_event"))
+    gate2, ev2 = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [2], [2], event=2, cuda_event=ev2))
+    rig.engine.detach(7)
+    assert rig.wait_done(2, timeout=3)
+    assert {j.event: e.code for j, e in rig.done} == {1: m.Code.CLIENT_GONE,
+                                                      2: m.Code.CLIENT_GONE}
+    gate.set()
+    gate2.set()
+    assert fake.idle()
+    assert len(fake.of("stream_wait_event")) == 1 and not copies_of(fake, rig)
+    assert fake.of("ipc_close_mem_handle")  # nothing was on the GPU: closed at once
+    rig.engine.close()
+
+
+def test_d3_worker_keeps_its_ring_until_the_daemon_passed_its_waits(fake):
+    rig = Rig(fake)
+    gate, ev = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev))
+    assert fake.wait_for(lambda: fake.of("stream_wait_event"))
+    closed: list[int] = []
+    def close_ring() -> None:  # the worker's shutdown, on a thread of its own
+        fake.set_current_context(WORKER_CTX)
+        closed.append(rig.ring.close(timeout=10))
+
+    closer = threading.Thread(target=close_ring)
+    closer.start()  # the worker shuts down while the daemon still waits
+    assert not fake.wait_for(lambda: bool(closed), timeout=0.2)
+    gate.set()
+    closer.join(10)
+    assert closed == [0]  # every wait confirmed; the fixture checks no violation
+    rig.engine.close()
+
+
+def test_d3_ring_close_is_bounded(fake):
+    fake.set_current_context(WORKER_CTX)
+    ring = EventRing(2, fake)
+    assert ring.record_next(fake.stream_create()) == 0
+    t = time.monotonic()
+    assert ring.close(timeout=0.05) == 1 and time.monotonic() - t < 5
+
+
+def test_d4_job_queued_behind_a_stuck_wait_expires_and_is_never_copied(fake):
+    rig = Rig(fake)
+    gate, ev = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev))
+    rig.engine.submit(rig.job(m.Direction.STORE, [2], [2], event=2,
+                              deadline=time.monotonic() + 0.2))
+    assert rig.wait_done(1, timeout=3)
+    assert rig.done[0][0].event == 2 and rig.done[0][1].code == m.Code.EXPIRED
+    gate.set()
+    assert rig.wait_done(2)
+    assert fake.idle()
+    assert len(copies_of(fake, rig)) == 1  # only job 1 was copied
+    assert not rig.slot_bytes(2, 0).any()
+    rig.engine.close()
+
+
+def test_d4_nothing_starts_past_the_deadline(fake):
+    rig = Rig(fake)
+    gate, ev = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev,
+                              deadline=time.monotonic() - 1))
+    rig.engine.submit(rig.job(m.Direction.LOAD, [2], [2], event=2,
+                              deadline=time.monotonic() - 1))
+    assert rig.wait_done(2)
+    assert {e.code for _, e in rig.done} == {m.Code.EXPIRED}
+    assert not fake.of("stream_wait_event") and not copies_of(fake, rig)
+    gate.set()
+    rig.engine.close()
+
+
+def test_d4_a_store_whose_copy_ends_after_give_up_is_not_committed(fake):
+    rig = Rig(fake)
+    job = rig.job(m.Direction.STORE, [1], [1], event=1, deadline=time.monotonic() + 0.1)
+    job.checksum = ChecksumSpec(np.array([rig.rank_bytes], np.int64), rig.rank_bytes)
+    hold = fake.launch(rig.lanes()[1])  # the copy engine is busy: the copy will end late
+    rig.engine.submit(job)
+    assert fake.wait_for(lambda: len(copies_of(fake, rig)) == 1)
+    while time.monotonic() <= job.give_up:
+        time.sleep(0.05)
+    hold.set()
+    assert rig.wait_done()
+    assert rig.err(1).code == m.Code.EXPIRED and job.checksums is None
+    rig.engine.close()
+
+
+class _Watched(np.ndarray):
+    """A pool view that records which threads read it (where checksums are computed)."""
+
+    readers: set[str]
+
+    def __getitem__(self, key):  # type: ignore[override]
+        self.readers.add(threading.current_thread().name)
+        return super().__getitem__(key)
+
+
+def collector(fake: FakeCuda, done: list):
+    def on_done(job, err, seconds) -> None:
+        done.append((job, err))
+        fake._rec("on_done", job.event)  # wakes fake.wait_for
+
+    return on_done
+
+
+def test_d5_store_checksums_come_from_the_copied_bytes_on_the_completion_thread(fake):
+    rig_pool = np.zeros(4096 * 16, np.uint8)
+    watched = rig_pool.view(_Watched)
+    watched.readers = set()
+    done: list = []
+    engine = CudaEngine(collector(fake, done), fake, pool=watched)
+    rig = Rig(fake, engine=engine)
+    rig.pool = rig_pool
+    fake.host_register(rig_pool.ctypes.data, rig_pool.nbytes)
+    gate, ev = rig.forward()
+    job = rig.job(m.Direction.STORE, [3, 4], [5, 6], cuda_event=ev)
+    job.checksum = ChecksumSpec(np.array([5 * 4096, 6 * 4096], np.int64), 4096)
+    engine.submit(job)
+    gate.set()
+    assert fake.wait_for(lambda: bool(done))
+    assert done[0][1] is None
+    want = [xxhash.xxh3_64_intdigest(rig.block_bytes(b, 0).tobytes()) for b in (3, 4)]
+    assert job.checksums == want
+    assert watched.readers and all(n.startswith("kvd-cuda-done-") for n in watched.readers)
+    engine.close()
+
+
+def test_d5_verify_on_load_drops_corrupt_blocks_and_copies_nothing(fake):
+    pool = np.zeros(4096 * 16, np.uint8)
+    done: list = []
+    engine = CudaEngine(collector(fake, done), fake, pool=pool)
+    rig = Rig(fake, engine=engine)
+    rig.pool = pool
+    fake.host_register(pool.ctypes.data, pool.nbytes)
+    pool[2 * 4096:3 * 4096] = 9
+    good = xxhash.xxh3_64_intdigest(pool[2 * 4096:3 * 4096].tobytes())
+    job = rig.job(m.Direction.LOAD, [1, 2], [2, 3])
+    job.checksum = ChecksumSpec(np.array([2 * 4096, 3 * 4096], np.int64), 4096, [good, 12345])
+    engine.submit(job)
+    assert fake.wait_for(lambda: bool(done))
+    assert done[0][1].code == m.Code.CHECKSUM and job.corrupt == [1]
+    assert not fake.of("memcpy_batch")
+    engine.close()
+
+
+def test_d6_a_store_blocked_on_pageable_memory_does_not_hold_back_loads(fake):
+    rig = Rig(fake, pin=False)  # nothing registered: copies are synchronous
+    gate, ev = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev))
+    assert fake.wait_for(lambda: fake.of("stream_wait_event"))
+    rig.engine.submit(rig.job(m.Direction.LOAD, [2], [2], event=2))
+    assert rig.wait_done(1, timeout=3)  # old: one submit thread, stuck in the store copy
+    assert rig.done[0][0].event == 2 and rig.done[0][1] is None
+    gate.set()
+    assert rig.wait_done(2)
+    rig.engine.close()
+
+
+def test_d6_no_copy_into_pool_chunks_not_pinned_yet(fake):
+    pinned = {"ok": False}
+    rig = Rig(fake, pinned=lambda lo, hi: pinned["ok"])
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1))
+    rig.engine.submit(rig.job(m.Direction.LOAD, [1], [1], event=2))
+    assert [e.code for _, e in rig.done] == [m.Code.BUSY, m.Code.BUSY]
+    pinned["ok"] = True
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=3))
+    assert rig.wait_done(3) and rig.done[2][1] is None
+    assert len(fake.of("memcpy_batch")) == 1
+    rig.engine.close()
+
+
+def test_d6_pinner_says_which_ranges_are_ready(fake):
+    base = 0x10_0000_0000
+    pinner = PoolPinner(base, 3 << 30, fake, chunk_bytes=1 << 30)
+    assert not pinner.ready(base, base + 1)
+    fake.fail_register = {1}
+    pinner.start()
+    assert pinner.wait(5)
+    assert pinner.ready(base, base + (1 << 30))  # pinned
+    assert pinner.ready(base + (2 << 30), base + (3 << 30))  # failed: served unpinned
+    pinner.release()
+
+
+def test_d6_completion_blocks_instead_of_polling(fake):
+    rig = Rig(fake)
+    gate, ev = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev))
+    rig.engine.submit(rig.job(m.Direction.LOAD, [2], [2], event=2))
+    gate.set()
+    assert rig.wait_done(2)
+    assert not fake.of("event_query")
+    assert {c[1] for c in fake.of("event_synchronize")} >= {"kvd-cuda-done-store-7"}
+    rig.engine.close()
+
+
+def test_d7_register_beyond_the_allocation_is_refused(fake):
+    rig = Rig(fake)
+    fake.set_current_context(WORKER_CTX)
+    (r,) = export_regions([GpuTensor(fake.alloc(4096 * 4), 4, 4096, 4096)], fake)
+    lying = m.CudaRegion(r.device_uuid, r.ipc_handle, r.offset, 5, r.stride, r.page_bytes)
+    reg = m.Register(1, rig.reg.fingerprint, 0, [], [lying], [])
+    fake.set_current_context(None)
+    with pytest.raises(RequestError, match="reaches") as e:
+        rig.engine.attach(9, 4243, reg)
+    assert e.value.code == m.Code.SIZE_MISMATCH
+    assert fake.of("ipc_close_mem_handle")[-1][2] == fake.of("ipc_open_mem_handle")[-1][3]
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], client=9))
+    assert rig.done[-1][1].code == m.Code.CLIENT_GONE  # not attached
     rig.engine.close()
 
 
@@ -299,6 +579,7 @@ def test_failed_copy_is_reported_and_still_releases_the_event(fake):
 def test_refuses_a_gpu_the_daemon_cannot_see(fake):
     other = FakeCuda(uuids=(b"\x01" * 16,))
     other.allocs, other.handles = fake.allocs, fake.handles
+    fake.set_current_context(WORKER_CTX)
     tensors = [GpuTensor(fake.alloc(8192), 2, 4096, 4096)]
     reg = m.Register(1, m.Fingerprint("m", "d", "d", 16, 1, [4096], "h", b""), 0, [],
                      export_regions(tensors, fake))
@@ -321,13 +602,16 @@ def test_open_failure_is_explained_and_rolled_back(fake):
     fake.fail_open = True
     fake.maps.clear()
     fake.open_count.clear()
+    fake.set_current_context(None)
     with pytest.raises(TransferError, match="PID namespace") as e:
         rig.engine.attach(9, 777, rig.reg)
     assert e.value.code == m.Code.PERMISSION
+    rig.engine.detach(7)
     rig.engine.close()
 
 
 def test_refuses_memory_without_legacy_ipc(fake):
+    fake.set_current_context(WORKER_CTX)
     t = GpuTensor(fake.alloc(8192, ipc_capable=False), 2, 4096, 4096)
     with pytest.raises(CudaExportRefused, match="expandable") as e:
         export_regions([t], fake)
@@ -335,6 +619,7 @@ def test_refuses_memory_without_legacy_ipc(fake):
 
 
 def test_refuses_expandable_segments_and_sleep_mode(fake, monkeypatch):
+    fake.set_current_context(WORKER_CTX)
     t = GpuTensor(fake.alloc(8192), 2, 4096, 4096)
     with pytest.raises(CudaExportRefused, match="sleep mode"):
         export_regions([t], fake, sleep_mode=True)
@@ -344,6 +629,7 @@ def test_refuses_expandable_segments_and_sleep_mode(fake, monkeypatch):
 
 
 def test_export_sends_uuid_offset_and_one_handle_per_allocation(fake):
+    fake.set_current_context(WORKER_CTX)
     base = fake.alloc(1 << 20, device=0)
     regions = export_regions([GpuTensor(base + 4096, 4, 8192, 8192),
                               GpuTensor(base + 65536, 4, 8192, 4096)], fake)
@@ -356,25 +642,38 @@ def test_export_sends_uuid_offset_and_one_handle_per_allocation(fake):
 # ------------------------------------------------------------ client-side copy
 
 
-def test_client_copy_writes_the_daemons_slot_layout(fake, tmp_path):
+def _copier_setup(fake, tmp_path):
     pages = [1024, 512]
     rank, tp, spe, extent = 1, 2, 4, 64 * 1024
     rank_bytes = sum(pages)
     path = tmp_path / "pool"
     path.write_bytes(bytes(extent * 2))
     reg = m.Registered(1, 1, rank_bytes * tp, rank_bytes, str(path), extent, spe)
+    fake.set_current_context(WORKER_CTX)
     tensors = [GpuTensor(fake.alloc(p * BLOCKS), BLOCKS, p, p) for p in pages]
     for t in tensors:
         fake.buffer(t.ptr)[:] = np.arange(len(fake.buffer(t.ptr))) % 251
-    fake.set_current_context(1)
-    cc = ClientCopier(reg, rank, tensors, stream=5, api=fake)
+    return reg, rank, tensors, path, (spe, extent, rank_bytes, tp)
+
+
+def test_client_copy_writes_the_daemons_slot_layout_from_a_pinned_mapping(fake, tmp_path):
+    reg, rank, tensors, path, (spe, extent, rank_bytes, tp) = _copier_setup(fake, tmp_path)
+    cc = ClientCopier(reg, rank, tensors, stream=fake.stream_create(), api=fake)
+    assert fake.registered == {cc.pool_base: extent * 2}  # pinned before any copy
     tok = cc.start(m.Direction.STORE, np.array([3]), np.array([5]))
-    assert cc.done(tok)
+    cc.wait(tok)
     pool = np.fromfile(path, np.uint8)
     slot_off = (5 // spe) * extent + (5 % spe) * rank_bytes * tp
     got = pool[slot_off + rank_bytes + 1024:slot_off + rank_bytes + 1536]
     assert np.array_equal(got, fake.buffer(tensors[1].ptr)[3 * 512:4 * 512])
     cc.close()
+    assert fake.registered == {}
+
+
+def test_client_copy_refuses_the_legacy_default_stream(fake, tmp_path):
+    reg, rank, tensors, _, _ = _copier_setup(fake, tmp_path)
+    with pytest.raises(KvdClientError, match="default stream"):
+        ClientCopier(reg, rank, tensors, stream=0, api=fake)
 
 
 def test_client_copy_engine_completes_on_arrival():

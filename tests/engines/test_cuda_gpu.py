@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from kvd_proto.cudart import gpu_available
+from kvd_client.cudart import gpu_available
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
@@ -32,7 +32,7 @@ BLOCKS = 16
 def _worker(conn) -> None:  # runs in the child (spawned: fresh CUDA state)
     from cuda.bindings import driver as drv
 
-    from kvd_proto.cudart import load
+    from kvd_client.cudart import load
     from kvd_client.cuda import EventRing, GpuTensor, export_regions
 
     api = load()
@@ -83,7 +83,7 @@ def _job(direction, bases, pool_base, blocks, slots, cuda_event=-1):
 
 def test_store_and_load_through_ipc(worker):
     from kvd.engines.cuda import CudaEngine
-    from kvd_proto.cudart import load
+    from kvd_client.cudart import load
     from kvd.pinning import PoolPinner
     from kvd_proto import messages as m
 

@@ -1,10 +1,18 @@
 """The seam between kvd and the CUDA driver: exactly the calls kvd uses, nothing more.
 
 Why a seam: no development machine has a GPU, so every CUDA code path is tested against
-a recording fake that implements ``CudaApi`` (tests/engines/fake_cuda.py) and is handed
-to the engine, the pinner and the client helpers as a constructor argument. The real
-implementation, ``CudaBindings``, imports cuda-python only when it is built, so
-``import kvd`` and ``import kvd_client`` work on machines without CUDA.
+a fake driver that implements ``CudaApi`` (tests/engines/fake_cuda.py: asynchronous
+streams, per-thread contexts, sticky errors) and is handed to the engine, the pinner and
+the client helpers as a constructor argument; a conformance test passes the arguments
+``CudaBindings`` builds to the real cuda-bindings functions. ``CudaBindings`` imports
+cuda-bindings only when it is built, so ``import kvd`` and ``import kvd_client`` work on
+machines without CUDA. It lives in the client package because both sides use it and the
+wire package (kvd_proto) holds messages and ids only.
+
+CUDA major versions: cuda-bindings 13.x carries a CUDA 13 runtime, which fails every
+runtime call on a CUDA 12 driver (``cudaErrorInsufficientDriver``). Install the bindings
+of the node's driver (``kvd[cu12]`` or ``kvd[cu13]``); ``load`` compares the two at start
+and refuses with that fix.
 
 Conventions of this seam (not of cuda-python): handles, pointers, streams and events are
 plain ``int``; IPC handles are 64 raw ``bytes``; every failure raises ``CudaError`` naming
@@ -23,6 +31,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvd_client.errors import KvdClientError
+
 IPC_HANDLE_BYTES = 64
 # CUmemcpySrcAccessOrder: STREAM when the source may still be written in stream order
 # (a store reads GPU memory the forward pass wrote), ANY for a stable source (pinned pool).
@@ -31,7 +41,7 @@ ACCESS_ORDER_ANY = 3
 BATCH_MIN_DRIVER = 12080  # cuMemcpyBatchAsync appeared in CUDA 12.8
 
 
-class CudaError(RuntimeError):
+class CudaError(KvdClientError):
     """A CUDA call failed; ``code`` is the numeric error, ``call`` the function name."""
 
     def __init__(self, call: str, code: int, name: str = "") -> None:
@@ -46,6 +56,7 @@ class CudaApi(Protocol):
     # devices and contexts
     def init(self) -> None: ...
     def driver_version(self) -> int: ...
+    def runtime_version(self) -> int: ...
     def device_count(self) -> int: ...
     def device_uuid(self, ordinal: int) -> bytes: ...
     def retain_primary_context(self, ordinal: int) -> int: ...
@@ -66,10 +77,11 @@ class CudaApi(Protocol):
     def stream_destroy(self, stream: int) -> None: ...
     def stream_synchronize(self, stream: int) -> None: ...
     def stream_wait_event(self, stream: int, event: int) -> None: ...
-    def event_create(self, interprocess: bool = False) -> int: ...
+    def event_create(self, interprocess: bool = False, blocking: bool = False) -> int: ...
     def event_destroy(self, event: int) -> None: ...
     def event_record(self, event: int, stream: int) -> None: ...
     def event_query(self, event: int) -> bool: ...
+    def event_synchronize(self, event: int) -> None: ...
     def has_batch_copy(self) -> bool: ...
     def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                      access_order: int, stream: int) -> None: ...
@@ -93,7 +105,7 @@ class MemcpyAttributes(ctypes.Structure):
 
 # The 12.8 ABI, which keeps failIdx. Asking cuGetProcAddress for version 12080 returns
 # this ABI even from a 13.x driver, whose default cuMemcpyBatchAsync dropped failIdx.
-_BATCH_FN = ctypes.CFUNCTYPE(
+BATCH_FN = ctypes.CFUNCTYPE(
     ctypes.c_uint,  # CUresult
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # dsts, srcs, sizes
     ctypes.c_size_t,  # count
@@ -132,6 +144,10 @@ class CudaBindings:
 
     def driver_version(self) -> int:
         return int(self._ok("cuDriverGetVersion", self._drv.cuDriverGetVersion()))
+
+    def runtime_version(self) -> int:
+        """The CUDA runtime these bindings carry (needs no driver)."""
+        return int(self._ok("cudaRuntimeGetVersion", self._rt.cudaRuntimeGetVersion()))
 
     def device_count(self) -> int:
         return int(self._ok("cuDeviceGetCount", self._drv.cuDeviceGetCount()))
@@ -209,10 +225,12 @@ class CudaBindings:
     def stream_wait_event(self, stream: int, event: int) -> None:
         self._ok("cudaStreamWaitEvent", self._rt.cudaStreamWaitEvent(stream, event, 0))
 
-    def event_create(self, interprocess: bool = False) -> int:
+    def event_create(self, interprocess: bool = False, blocking: bool = False) -> int:
         flags = self._rt.cudaEventDisableTiming
         if interprocess:  # both flags are required for an IPC event
             flags |= self._rt.cudaEventInterprocess
+        if blocking:  # cudaEventSynchronize sleeps instead of spinning a core
+            flags |= self._rt.cudaEventBlockingSync
         return int(self._ok("cudaEventCreateWithFlags", self._rt.cudaEventCreateWithFlags(flags)))
 
     def event_destroy(self, event: int) -> None:
@@ -228,6 +246,9 @@ class CudaBindings:
         self._ok("cudaEventQuery", (err,))
         return True
 
+    def event_synchronize(self, event: int) -> None:
+        self._ok("cudaEventSynchronize", self._rt.cudaEventSynchronize(event))
+
     # ------------------------------------------------------------ copies
     def has_batch_copy(self) -> bool:
         if not self._batch_checked:
@@ -235,23 +256,14 @@ class CudaBindings:
             if self.driver_version() >= BATCH_MIN_DRIVER:
                 res = self._drv.cuGetProcAddress(b"cuMemcpyBatchAsync", BATCH_MIN_DRIVER, 0)
                 if int(res[0]) == 0 and int(res[1]):  # (err, pfn, symbolStatus)
-                    self._batch = _BATCH_FN(int(res[1]))
+                    self._batch = BATCH_FN(int(res[1]))
         return self._batch is not None
 
     def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
                      access_order: int, stream: int) -> None:
         if not self.has_batch_copy():
             raise CudaError("cuMemcpyBatchAsync", 801, "CUDA_ERROR_NOT_SUPPORTED")
-        dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64)
-                             for a in (dsts, srcs, sizes))
-        attrs = MemcpyAttributes(srcAccessOrder=access_order)
-        idx = ctypes.c_size_t(0)
-        fail = ctypes.c_size_t(0)
-        err = self._batch(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
-                          ctypes.addressof(attrs), ctypes.byref(idx), 1, ctypes.byref(fail),
-                          stream)
-        if err != 0:
-            raise CudaError(f"cuMemcpyBatchAsync (copy {fail.value})", int(err))
+        call_batch(self._batch, dsts, srcs, sizes, access_order, stream)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         kind = self._rt.cudaMemcpyKind.cudaMemcpyDefault  # direction inferred (UVA)
@@ -268,6 +280,20 @@ class CudaBindings:
 
     def clear_last_error(self) -> None:
         self._rt.cudaGetLastError()  # reads and resets the latched error
+
+
+def call_batch(fn: Any, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
+               access_order: int, stream: int) -> None:
+    """Call the 12.8-ABI ``cuMemcpyBatchAsync`` pointer ``fn`` (a ``BATCH_FN``) with numpy
+    arrays: one attribute entry, at index 0, for every copy."""
+    dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+    attrs = MemcpyAttributes(srcAccessOrder=access_order)
+    idx = ctypes.c_size_t(0)
+    fail = ctypes.c_size_t(0)
+    err = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+             ctypes.addressof(attrs), ctypes.byref(idx), 1, ctypes.byref(fail), stream)
+    if err != 0:
+        raise CudaError(f"cuMemcpyBatchAsync (copy {fail.value})", int(err))
 
 
 def copy_runs(api: CudaApi, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray,
@@ -289,11 +315,32 @@ def _raw64(handle: bytes) -> bytes:
     return bytes(handle)
 
 
-def load() -> CudaApi:
-    """The real driver seam, initialised; raises CudaUnavailable when there is no CUDA."""
+def version_refusal(driver: int, runtime: int) -> str | None:
+    """Why bindings built for CUDA ``runtime`` cannot run on ``driver``, with the fix."""
+    if driver // 1000 >= runtime // 1000:
+        return None
+    have = f"{driver // 1000}.{driver % 1000 // 10}"
+    return (f"the installed cuda-bindings carry a CUDA {runtime // 1000} runtime, but this "
+            f"node's driver supports CUDA {have} only (every runtime call would fail with "
+            f"cudaErrorInsufficientDriver). Fix: install the bindings of the driver's major, "
+            f"pip install 'kvd[cu{driver // 1000}]', or upgrade the NVIDIA driver")
+
+
+def load(api: CudaApi | None = None) -> CudaApi:
+    """The driver seam (``api``, else the real one), initialised and checked: raises
+    CudaUnavailable when there is no CUDA, no device, or bindings of another major."""
+    if api is None:
+        try:
+            api = CudaBindings()
+        except ImportError:
+            raise CudaUnavailable("cuda-bindings is not installed. Fix: pip install "
+                                  "'kvd[cu12]' or 'kvd[cu13]', the major of the node's "
+                                  "NVIDIA driver (nvidia-smi shows it)") from None
     try:
-        api = CudaBindings()
         api.init()
+        why = version_refusal(api.driver_version(), api.runtime_version())
+        if why:
+            raise CudaUnavailable(why)
         if api.device_count() < 1:
             raise CudaUnavailable("no CUDA device is visible")
     except CudaUnavailable:
@@ -303,7 +350,7 @@ def load() -> CudaApi:
     return api
 
 
-class CudaUnavailable(RuntimeError):
+class CudaUnavailable(KvdClientError):
     """No driver, no device, or cuda-python missing: CUDA paths are off."""
 
 

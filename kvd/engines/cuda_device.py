@@ -1,0 +1,154 @@
+"""The moving parts of the CUDA engine: lanes (a stream and its two threads), the
+per-job state that makes completion exactly-once, and the deadline watchdog.
+
+Why lanes: a stream that waits on a worker's event stops everything enqueued behind it,
+so each client gets its own store lane and a device's loads get one more; a lane that
+hangs (a worker whose forward pass never ends) stops nobody else. Each lane has a submit
+thread, which may block (on its client's event), and a completion thread, which blocks
+in ``cudaEventSynchronize`` on the lane's own completion events (created with blocking
+sync: no polling, no spinning core), in stream order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvd.engines.base import CopyJob
+from kvd_client.cudart import CudaApi
+
+QUEUED, COPYING, FINISHED = 0, 1, 2
+
+
+@dataclass(eq=False)
+class Work:
+    """One job inside the engine. ``state`` moves QUEUED -> COPYING -> FINISHED or
+    QUEUED -> FINISHED, under the engine's lock, so exactly one party reports it: the
+    lane that copied it, or whoever failed it first (deadline, detach, close)."""
+
+    job: CopyJob
+    client: object  # the engine's _Client
+    started: float = field(default_factory=time.perf_counter)
+    state: int = QUEUED
+
+
+class Lane:
+    """A non-blocking stream in ``ctx`` with a submit thread and a completion thread.
+
+    ``start(work, lane)`` runs on the submit thread and returns the completion event of
+    the copies it enqueued, or None when it finished the work itself; ``end(work, error)``
+    runs on the completion thread once that event completed (or failed)."""
+
+    def __init__(self, api: CudaApi, ctx: int, name: str,
+                 start: Callable[[Work, Lane], int | None],
+                 end: Callable[[Work, Exception | None], None]) -> None:
+        self.api, self.ctx, self.name = api, ctx, name
+        self._start, self._end = start, end
+        api.set_current_context(ctx)
+        self.stream = api.stream_create()
+        self.gate = api.event_create(blocking=True)  # "the worker's event has passed"
+        self.todo: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Work, int] | None] = queue.SimpleQueue()
+        self._free: list[int] = []
+        self.threads = [threading.Thread(target=self._submit, name=f"kvd-cuda-{name}",
+                                         daemon=True),
+                        threading.Thread(target=self._complete, daemon=True,
+                                         name=f"kvd-cuda-done-{name}")]
+        for t in self.threads:
+            t.start()
+
+    def done_event(self) -> int:
+        """A completion event for the copies just enqueued (submit thread only)."""
+        return self._free.pop() if self._free else self.api.event_create(blocking=True)
+
+    def _submit(self) -> None:
+        self.api.set_current_context(self.ctx)
+        while (work := self.todo.get()) is not None:
+            ev = self._start(work, self)
+            if ev is not None:
+                self._done.put((work, ev))
+        self._done.put(None)
+
+    def _complete(self) -> None:
+        self.api.set_current_context(self.ctx)
+        while (item := self._done.get()) is not None:
+            work, ev = item
+            err: Exception | None = None
+            try:
+                self.api.event_synchronize(ev)  # blocks, in stream order
+                self._free.append(ev)
+            except Exception as e:  # noqa: BLE001 - the copy failed on the device
+                err = e
+            self._end(work, err)
+
+    def stop(self, timeout: float) -> bool:
+        """Let queued work drain, end both threads; True when they ended in time."""
+        self.todo.put(None)
+        end = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
+    def destroy(self) -> list[Exception]:
+        """Free the stream and events (after ``stop``); the errors, to log."""
+        errors = []
+        self.api.set_current_context(self.ctx)
+        for call, arg in [*((self.api.event_destroy, e) for e in [self.gate, *self._free]),
+                          (self.api.stream_destroy, self.stream)]:
+            try:
+                call(arg)
+            except Exception as e:  # noqa: BLE001 - shutting down: the caller logs
+                errors.append(e)
+        self._free.clear()
+        return errors
+
+
+class Watchdog:
+    """Fails queued work whose deadline passed while its lane was blocked (a client's
+    event that does not complete): ``expire(work)`` is called at the deadline and does
+    nothing to work that started copying meanwhile. One thread, sleeping until the
+    earliest deadline: no polling."""
+
+    def __init__(self, expire: Callable[[Work], None]) -> None:
+        self._expire = expire
+        self._heap: list[tuple[float, int, Work]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, work: Work) -> None:
+        if math.isinf(work.job.deadline):
+            return
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvd-cuda-deadlines",
+                                                daemon=True)
+                self._thread.start()
+            heapq.heappush(self._heap, (work.job.deadline, next(self._seq), work))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and (
+                        not self._heap or self._heap[0][0] > time.monotonic()):
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cv.wait(wait)
+                if self._stopped:
+                    return
+                _, _, work = heapq.heappop(self._heap)
+            self._expire(work)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(10)

@@ -1,0 +1,80 @@
+"""The worker's GPU data paths and their fallbacks (issue 13, defect 2), on the fake driver.
+
+vLLM must start and serve when the daemon cannot copy: memory legacy IPC cannot export
+falls back to client-side copies (loads copied here, stores skipped), no usable CUDA to
+no offloading (stores skipped, loads failed so vLLM recomputes them).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvd_client.cuda import GpuTensor  # noqa: E402
+from kvd_client.vllm.cuda_paths import (ClientCopyPath, CudaPath, OffloadOff,  # noqa: E402
+                                        cuda_data_path)
+from kvd_proto import messages as m  # noqa: E402
+from tests.engines.fake_cuda import FakeCuda  # noqa: E402
+
+PAGE, BLOCKS = 1024, 4
+FP = m.Fingerprint("m", "bf16", "bf16", 16, 1, [PAGE // 2, PAGE // 2], "h", b"")
+
+
+@pytest.fixture
+def fake():
+    f = FakeCuda()
+    f.set_current_context(0xC0)
+    yield f
+    f.shutdown()
+    assert f.violations == []
+
+
+def test_d2_refused_export_falls_back_to_client_copies(fake, tmp_path):
+    t = GpuTensor(fake.alloc(PAGE * BLOCKS, ipc_capable=False), BLOCKS, PAGE, PAGE)
+    path = cuda_data_path([t], fake)
+    assert isinstance(path, ClientCopyPath)
+    reg = path.register(FP, rank=0)
+    assert reg.client_copy and "legacy-IPC" in reg.client_copy_reason
+    assert not reg.cuda_regions
+    pool = tmp_path / "pool"
+    slot_bytes = PAGE
+    data = np.zeros(1 << 16, np.uint8)
+    data[3 * slot_bytes:4 * slot_bytes] = 0x5A  # slot 3
+    pool.write_bytes(data.tobytes())
+    conn = SimpleNamespace(registered=m.Registered(1, 1, slot_bytes, PAGE, str(pool),
+                                                   1 << 16, 64))
+    assert path.before_send(False, np.array([1]), np.zeros(0, np.uint32), conn) \
+        == "client_copy"  # a store by ticket: its slots are the daemon's
+    assert path.before_send(True, np.array([2]), np.array([3], np.uint32), conn) == ""
+    assert (fake.buffer(t.ptr)[2 * PAGE:3 * PAGE] == 0x5A).all()  # copied before Transfer
+    assert not fake.buffer(t.ptr)[:2 * PAGE].any()
+    assert fake.registered  # from a pinned mapping
+    path.close()
+    assert not fake.registered
+
+
+def test_d2_no_usable_cuda_means_no_offloading_not_a_crash():
+    t = GpuTensor(0x7A00_0000_0000, BLOCKS, PAGE, PAGE)
+    why = cuda_data_path([t])  # the real loader: no driver on this machine
+    assert isinstance(why, str) and why
+    worker = OffloadOff(0, why)
+    assert worker.submit_store(1, None, None)
+    assert worker.submit_load(2, None, SimpleNamespace(block_ids=[4, 5]))
+    assert [r.job_id for r in worker.get_finished()] == [1, 2]
+    assert worker.take_load_errors() == {4, 5}  # vLLM recomputes them
+    assert worker.boundary.counts == {"store.skipped.offload_off": 1,
+                                      "load.skipped.offload_off": 1}
+
+
+def test_exportable_memory_keeps_the_daemon_copy_path(fake):
+    t = GpuTensor(fake.alloc(PAGE * BLOCKS), BLOCKS, PAGE, PAGE)
+    path = cuda_data_path([t], fake)
+    assert isinstance(path, CudaPath)
+    reg = path.register(FP, rank=0)
+    assert [r.page_bytes for r in reg.cuda_regions] == [PAGE // 2, PAGE // 2]
+    assert len(reg.cuda_event_handles) == len(path.ring)
+    path.close()
