@@ -6,6 +6,14 @@ request id, delivers pushed Done events, pings the daemon, and re-runs the hands
 (Hello, then the saved Register) whenever the daemon restarts. While the daemon is
 unreachable the connection is *down*: every call fails at once with ``Unavailable``
 (a circuit breaker) instead of waiting, so an engine built on it never stalls.
+
+A Transfer ends exactly once, and never while the daemon might still copy: each carries
+a deadline (``transfer_timeout`` from now, on CLOCK_MONOTONIC) after which the daemon
+starts no copy for it. Its Done comes from the daemon; without one, the connection
+reports it failed only when the daemon's process is gone (a pidfd, where the daemon is
+in our PID namespace) or once deadline + ``EXPIRY_GRACE_NS`` passed. A connection lost
+while the daemon lives (a long pause) keeps its Transfers until then, across the
+reconnect.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from kvd_client.process import allow_ptrace, leave_compute_cpus
 from kvd_proto import messages as m
 
 log = logging.getLogger("kvd_client")
+GRACE_S = m.EXPIRY_GRACE_NS / 1e9
 
 
 @dataclass
@@ -40,7 +49,7 @@ class ClientStats:
     unavailable: int = 0
     remote_errors: int = 0
     reconnects: int = 0
-    lost_transfers: int = 0
+    lost_transfers: int = 0  # ended without a Done: past deadline + grace, or kvd exited
     wakeups: int = 0  # of the I/O thread: what an engine pays while kvd is away
 
 
@@ -126,11 +135,15 @@ class Connection:
             raise Timeout(f"kvd did not answer {type(msg).__name__} in time") from None
 
     def send(self, msg: m.Transfer) -> bool:
-        """Queue a Transfer; its Done reaches ``on_done`` (synthesized if the daemon
-        is lost). False when the connection is down: nothing was sent."""
+        """Queue a Transfer; its one Done reaches ``on_done`` (see the module docstring
+        for when the connection itself ends it). Stamps the deadline unless the caller
+        set one. False when the connection is down: nothing was sent."""
         if not self._up.is_set():
             self.stats.unavailable += 1
             return False
+        if not msg.deadline_ns:
+            deadline = time.monotonic_ns() + int(self.transfer_timeout * 1e9)
+            msg = msgspec.structs.replace(msg, deadline_ns=deadline)
         self._outbox.put((msg, None))
         self._wakeup()
         return True
@@ -175,7 +188,10 @@ class _IO:
         self.c = conn
         self.sock: zmq.Socket | None = None
         self.pending: dict[int, tuple[Future | None, float, str]] = {}
+        # req -> (Transfer, give-up time on time.monotonic()): kept across a reconnect
         self.transfers: dict[int, tuple[m.Transfer, float]] = {}
+        self.poller: zmq.Poller | None = None
+        self.daemon_fd = -1  # pidfd of the daemon, where it is in our PID namespace
         self.phase = "down"  # down -> hello -> register -> up
         self.handshake_req = 0
         self.next_attempt = 0.0
@@ -189,7 +205,7 @@ class _IO:
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
         c = self.c
-        poller = zmq.Poller()
+        poller = self.poller = zmq.Poller()
         poller.register(c._wake, zmq.POLLIN)
         while not c._closed:
             now = time.monotonic()
@@ -202,6 +218,8 @@ class _IO:
                     os.eventfd_read(c._wake)
                 except BlockingIOError:
                     pass
+            if self.daemon_fd >= 0 and self.daemon_fd in events:
+                self.daemon_exited()
             self.flush_outbox()
             if self.sock is not None:
                 while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -209,6 +227,13 @@ class _IO:
             self.timers(time.monotonic())
 
     def poll_ms(self, now: float) -> int:
+        ms = self.phase_poll_ms(now)
+        if self.transfers:  # wake up when the first of them may be given up
+            give_up = min(g for _, g in self.transfers.values())
+            ms = min(ms, max(1, int((give_up - now) * 1000) + 1))
+        return ms
+
+    def phase_poll_ms(self, now: float) -> int:
         if self.phase == "down":
             return max(1, int((self.next_attempt - now) * 1000))
         if self.phase == "hello" and not self.hello_sent:
@@ -266,7 +291,7 @@ class _IO:
                 continue
             now = time.monotonic()
             if isinstance(msg, m.Transfer):
-                self.transfers[msg.req] = (msg, now + c.transfer_timeout)
+                self.transfers[msg.req] = (msg, msg.deadline_ns / 1e9 + GRACE_S)
             else:
                 self.pending[msg.req] = (fut, now + c.timeout * 2, type(msg).__name__)
 
@@ -344,6 +369,7 @@ class _IO:
                 c.stats.reconnects += 1
             c.instance, c.daemon_pid = reply.instance, reply.daemon_pid
             allow_ptrace(reply.daemon_pid)
+            self.watch_daemon(reply)
             if c._register is None:
                 return self.ready(None)
             self.phase = "register"
@@ -380,13 +406,50 @@ class _IO:
             if fut is not None and not fut.done():
                 fut.set_exception(Unavailable(f"kvd connection lost: {why}"))
         self.pending.clear()
-        for msg, _ in self.transfers.values():
+        # Transfers stay: the daemon may still copy them until their deadline.
+
+    def end_transfers(self, code: m.Code, why: str, now: float | None = None) -> None:
+        """Fail the Transfers nobody will answer: all of them, or (with ``now``) those
+        past their give-up time, when the daemon no longer copies them."""
+        c = self.c
+        ended = [r for r, (_, give_up) in self.transfers.items()
+                 if now is None or give_up <= now]
+        for r in ended:
+            msg, _ = self.transfers.pop(r)
             c.stats.lost_transfers += 1
-            self.deliver(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE, f"kvd lost: {why}"))
-        self.transfers.clear()
+            self.deliver(m.Done(msg.req, msg.event, code, why))
+
+    def watch_daemon(self, hello: m.HelloOk) -> None:
+        """Learn at once when the daemon's process ends (it can copy nothing more then).
+        Only where its pid means the same process to us: same PID namespace, which the
+        daemon tells by echoing our pid as it sees it."""
+        self.unwatch_daemon()
+        if hello.peer_pid != os.getpid() or hello.daemon_pid <= 0 or self.poller is None:
+            return  # another namespace (or an older daemon): deadlines alone decide
+        try:
+            self.daemon_fd = os.pidfd_open(hello.daemon_pid)
+        except OSError:
+            return
+        self.poller.register(self.daemon_fd, zmq.POLLIN)
+
+    def unwatch_daemon(self) -> None:
+        if self.daemon_fd >= 0:
+            if self.poller is not None:
+                self.poller.unregister(self.daemon_fd)
+            os.close(self.daemon_fd)
+            self.daemon_fd = -1
+
+    def daemon_exited(self) -> None:
+        self.unwatch_daemon()
+        self.end_transfers(m.Code.CLIENT_GONE, "kvd exited")
+        if self.phase != "down":
+            self.lost("kvd exited")
 
     def timers(self, now: float) -> None:
         c = self.c
+        if self.transfers:
+            self.end_transfers(m.Code.EXPIRED, "no Done from kvd by the transfer's deadline "
+                               "plus grace; kvd copies nothing for it any more", now)
         if self.phase in ("hello", "register"):
             if self.phase == "hello" and not self.hello_sent:
                 self.send_hello()
@@ -400,11 +463,6 @@ class _IO:
             fut, _, what = self.pending.pop(r)
             if fut is not None and not fut.done():
                 fut.set_exception(Timeout(f"kvd did not answer {what}"))
-        for r in [r for r, (_, dl) in self.transfers.items() if dl <= now]:
-            msg, _ = self.transfers.pop(r)
-            c.stats.lost_transfers += 1
-            self.deliver(m.Done(msg.req, msg.event, m.Code.TRANSFER_FAILED,
-                                "transfer timed out in kvd"))
         idle = now - self.last_rx
         if idle > c.ping_interval and self.ping_req == 0:
             self.ping_req = c.next_req()
@@ -420,5 +478,9 @@ class _IO:
             self.flush_outbox()  # what close() found queued (a Release, an Abort) goes out
             linger = 100  # ms for zmq to write it; never an unbounded wait
         self.lost("connection closed", quiet=True)
+        # Closing means this process stops using kvd (an engine shutting down): what is
+        # still in flight is reported to the caller, whose memory goes away with it.
+        self.end_transfers(m.Code.CLIENT_GONE, "connection closed")
+        self.unwatch_daemon()
         if self.sock is not None:
             self.sock.close(linger=linger)

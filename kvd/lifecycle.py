@@ -8,10 +8,12 @@ the start-up timeout extension (the loop is not running yet while the pool is fa
 in) and the metrics HTTP thread (which reads state only through ``LoopSnapshot``).
 
 Phases, reported in ``status()["phase"]``, on STATUS= and as ``kvd_phase``:
-``starting`` -> (``restoring``, set by persistence through ``set_phase``) -> ``serving``
--> ``stopping``. Contract of a stop: STOPPING=1 first; new Register / Lookup / Allocate
-/ Transfer get ``BUSY``; in-flight transfers finish (bounded by ``stop_timeout_ms``, cut
-short by a second signal); then ``Service.shutdown()`` (where the journal is flushed).
+``starting`` -> ``serving`` -> ``stopping`` -> ``stopped``. Contract of a stop:
+STOPPING=1 first; new Register / Lookup / Allocate / Transfer get ``BUSY``; in-flight
+transfers finish (bounded by ``stop_timeout_ms``, cut short by a second signal); then
+the server closes (where the journal is flushed).
+
+It sees the daemon only through ``Daemon``: a few verbs, not the server's parts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -31,9 +33,6 @@ from kvd.errors import KvdError
 from kvd.metrics import LoopSnapshot, Metrics
 from kvd.notify import Notifier
 from kvd_proto import messages as m
-
-if TYPE_CHECKING:
-    from kvd.server import Server
 
 log = logging.getLogger("kvd.lifecycle")
 STATUS_PERIOD_S = 5.0
@@ -66,8 +65,27 @@ def config_changes(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]]
     return live, restart
 
 
+class Daemon(Protocol):
+    """What the lifecycle needs of the daemon (``kvd.server.Server`` provides it)."""
+
+    loop: asyncio.AbstractEventLoop
+    config: Config
+
+    @property
+    def inflight(self) -> int: ...
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def apply_config(self, config: Config, origins: dict[str, str]) -> None: ...
+
+    def begin_stop(self) -> None: ...
+
+
 class Lifecycle:
-    def __init__(self, server: Server, origins: dict[str, str] | None = None,
+    def __init__(self, server: Daemon, origins: dict[str, str] | None = None,
                  reload_config: ReloadFn | None = None,
                  notifier: Notifier | None = None) -> None:
         self.server = server
@@ -93,9 +111,9 @@ class Lifecycle:
     def started(self) -> None:
         """On the loop, once the ROUTER accepts clients: metrics, READY=1, timers, SIGHUP."""
         server = self.server
-        server.service.origins = self.origins
+        server.apply_config(server.config, self.origins)
         cfg = server.config
-        snapshot = LoopSnapshot(server.loop, server.service.status)
+        snapshot = LoopSnapshot(server.loop, server.status)
         self.metrics = Metrics(snapshot.get)
         self.metrics.serve(cfg.metrics_addr, cfg.metrics_port)
         if self.phase == "starting":
@@ -107,12 +125,6 @@ class Lifecycle:
             self._watchdog()
         if self.notifier.enabled:
             self._timers["status"] = server.loop.call_later(STATUS_PERIOD_S, self._status_tick)
-
-    def set_phase(self, phase: str) -> None:
-        """For other shell parts: a phase set before ``started()`` (``restoring``) is kept
-        until its owner sets ``serving``; updates STATUS at once."""
-        self.phase = phase
-        self.notifier.status(self.status_line())
 
     def status(self) -> dict[str, Any]:
         """What the lifecycle adds to ``Service.status()``."""
@@ -136,7 +148,7 @@ class Lifecycle:
 
     def status_line(self) -> str:
         """One line for ``systemctl status``: phase, pool, pinning, clients, hit rate."""
-        st = self.server.service.status()
+        st = self.server.status()
         pool, c = st["pool"], st["counters"]
         asked, hit = c["lookup_keys"], c["hit_blocks"]
         d_asked, d_hit = asked - self._last_counts[0], hit - self._last_counts[1]
@@ -146,8 +158,9 @@ class Lifecycle:
         pin = st.get("pinning", {})
         pinned = {"done": "pinned", "running": f"pinning {pin.get('fraction', 0):.0%}"}.get(
             pin.get("state", ""), "unpinned")
-        persist = self.server.service.persist
-        restored = f", restored {persist.recovery.restored} blocks" if persist else ""
+        persist = st.get("persistence", {})
+        restored = (f", restored {persist.get('restored_blocks', 0)} blocks"
+                    if persist.get("enabled") else "")
         return (f"{self.phase}: pool {used:.0%} of {pool['capacity_bytes'] >> 20} MiB, "
                 f"{pinned}{restored}; {len(st['clients'])} clients, "
                 f"{len(st['tenants'])} tenants; hit rate {rate}")
@@ -183,10 +196,8 @@ class Lifecycle:
         if live:
             effective = msgspec.structs.replace(server.config,
                                                 **{k: v[1] for k, v in live.items()})
-            server.config = effective
-            server.service.reconfigure(effective)
             self.origins.update({k: origins[k] for k in live if k in origins})
-            server.service.origins = self.origins
+            server.apply_config(effective, self.origins)
             if "log_level" in live:
                 logging.getLogger().setLevel(effective.log_level.upper())
         said = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(live.items()))
@@ -201,27 +212,25 @@ class Lifecycle:
         """Signal handler (SIGTERM/SIGINT): the first starts a graceful stop, a second
         cuts the wait for in-flight transfers short."""
         server = self.server
-        if server.stopping.is_set():
+        if server.stop_requested:
             log.warning("second stop signal: not waiting for in-flight transfers")
             self._hurry = True
             return
         self.phase = "stopping"
-        server.service.stopping = True
         self.notifier.stopping(self.status_line())
         log.info("stopping: refusing new work, finishing %d in-flight transfers",
-                 server.service.inflight)
-        server.stopping.set()
+                 server.inflight)
+        server.begin_stop()
 
     async def drain(self) -> None:
-        """Wait (bounded) for in-flight transfers, then let the service shut down."""
-        service = self.server.service
-        deadline = time.monotonic() + self.server.config.stop_timeout_ms / 1000
-        while service.inflight > 0 and not self._hurry and time.monotonic() < deadline:
+        """Wait (bounded) for in-flight transfers; the server closes after."""
+        server = self.server
+        deadline = time.monotonic() + server.config.stop_timeout_ms / 1000
+        while server.inflight > 0 and not self._hurry and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if service.inflight > 0:
+        if server.inflight > 0:
             log.warning("stopping with %d transfers still in flight (they fail)",
-                        service.inflight)
-        service.shutdown()
+                        server.inflight)
 
     def close(self) -> None:
         self.phase = "stopped"

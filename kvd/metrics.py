@@ -50,9 +50,22 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_evicted_bytes", "evicted_bytes", "Bytes of the slots evicted blocks held"),
     ("kvd_failed_stores", "failed_stores", "Stores aborted before READY"),
     ("kvd_failed_transfers", "failed_transfers", "Transfers that completed with an error"),
+    ("kvd_expired_transfers", "expired_transfers",
+     "Transfers ended unstarted (or not committed) because their deadline passed"),
     ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),
     ("kvd_expired_pending", "expired_pending", "Pending stores dropped at their deadline"),
     ("kvd_no_space", "no_space", "Allocations that found no room"),
+)
+
+
+EVENT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvd_event_batches", "batches", "KV event batches published (one per tenant and loop "
+                                     "iteration with changes)"),
+    ("kvd_events", "events", "KV events published (BlockStored, BlockRemoved, "
+                             "AllBlocksCleared)"),
+    ("kvd_event_batches_dropped", "dropped_batches",
+     "KV event batches a slow subscriber missed (its high-water mark was full)"),
+    ("kvd_event_replay_requests", "replay_requests", "Replay requests answered"),
 )
 
 
@@ -105,6 +118,7 @@ class StatusCollector(Collector):
         yield from self._counters(st.get("counters", {}))
         yield from self._gauges(st)
         yield from self._tenants(st.get("tenants", []))
+        yield from self._events(st.get("events", {}))
 
     @staticmethod
     def _counters(c: dict[str, Any]) -> Iterator[Metric]:
@@ -159,6 +173,14 @@ class StatusCollector(Collector):
         yield GaugeMetricFamily("kvd_tenants", "Tenants known", value=len(st.get("tenants", [])))
         yield GaugeMetricFamily("kvd_inflight_transfers", "Transfers submitted and not done",
                                 value=st.get("transfers", {}).get("inflight", 0))
+
+    @staticmethod
+    def _events(ev: dict[str, Any]) -> Iterator[Metric]:
+        """The KV event stream for fleet routers (only when it is on)."""
+        if not ev.get("enabled"):
+            return
+        for name, key, doc in EVENT_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=ev.get(key, 0))
 
     @staticmethod
     def _tenants(tenants: list[dict[str, Any]]) -> Iterator[Metric]:

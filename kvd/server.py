@@ -60,7 +60,11 @@ class Server:
                                       if config.persist else "indexing", config.pool_size):
             self.service = Service(config, self.pool, self.engines, self._send)
         self.service.extra_status = self._extra_status
+        self.service.transfers.on_finished = self.lifecycle.transfer_done
         self.service.on_client = self._watch
+        self.kv_events = self.service.kv_events
+        if self.kv_events is not None:  # one batch per loop iteration, after its work
+            self.kv_events.on_pending = lambda: self.loop.call_soon(self._publish)
         self._pidfds: dict[int, int] = {}  # pid -> pidfd
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -96,7 +100,7 @@ class Server:
             os.chown(directory, -1, gid)
 
     def _start_cuda(self) -> None:
-        from kvd_proto.cudart import CudaUnavailable, load
+        from kvd_client.cudart import CudaUnavailable, load
 
         try:
             api = load()
@@ -111,10 +115,34 @@ class Server:
         return {"pinning": self.pinner.status() if self.pinner else {"state": "unavailable"},
                 "data_paths": sorted(self.engines), **self.lifecycle.status()}
 
+    # ------------------------------------------------------------ for the lifecycle
+    @property
+    def inflight(self) -> int:
+        return self.service.inflight
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stopping.is_set()
+
+    def status(self) -> dict:
+        return self.service.status()
+
+    def apply_config(self, config: Config, origins: dict[str, str]) -> None:
+        self.config = config
+        self.service.reconfigure(config)
+        self.service.origins = origins
+
+    def begin_stop(self) -> None:
+        self.service.stopping = True  # new work gets BUSY
+        self.stopping.set()
+
+    # ------------------------------------------------------------ engines
+    # Engines report on their own threads; the Transfer's owner finishes it on the loop.
+    def _engine_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
+        self.loop.call_soon_threadsafe(self.service.transfers.complete, job, error, seconds)
+
     def _engine_waited(self, job: CopyJob) -> None:
-        identity = job.context["client"].identity
-        msg = m.EventWaited(job.req, job.event, job.cuda_event)
-        self.loop.call_soon_threadsafe(self._send, identity, msg)
+        self.loop.call_soon_threadsafe(self.service.transfers.event_waited, job)
 
     # ------------------------------------------------------------ socket
     def _send(self, identity: bytes, reply: m.Reply) -> None:
@@ -168,19 +196,6 @@ class Server:
             return service.error(getattr(msg, "req", 0), m.Code.INTERNAL,
                                  f"internal error: {e}")
 
-    # ------------------------------------------------------------ engines
-    def _engine_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
-        self.loop.call_soon_threadsafe(self._copy_done, job, error, seconds)
-
-    def _copy_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
-        try:
-            self.service.copy_done(job, error, seconds)
-            self.lifecycle.transfer_done(job.direction, error is None, seconds)
-        except Exception as e:  # noqa: BLE001 - the client must still get its Done
-            log.exception("completing transfer %d failed", job.event)
-            identity = job.context["client"].identity
-            self._send(identity, m.Done(job.req, job.event, m.Code.INTERNAL, str(e)))
-
     # ------------------------------------------------------------ liveness
     def _watch(self, client: Client) -> None:
         pid = client.pid
@@ -201,6 +216,13 @@ class Server:
         for identity in self.service.client_by_pid(pid):
             self.service.client_gone(identity)
 
+    def _publish(self) -> None:
+        try:
+            assert self.kv_events is not None
+            self.kv_events.flush()
+        except Exception:  # noqa: BLE001 - events are not the data path
+            log.exception("publishing KV events failed")
+
     def _tick(self) -> None:
         self.service.tick()
         if not self.stopping.is_set():
@@ -209,6 +231,11 @@ class Server:
     # ------------------------------------------------------------ run
     async def run(self) -> None:
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        replay_fd = self.kv_events.publisher.replay_fd if self.kv_events else None
+        if replay_fd is not None:
+            assert self.kv_events is not None
+            self.loop.add_reader(replay_fd, self.kv_events.publisher.service_replay)
+            self.kv_events.publisher.service_replay()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self.lifecycle.request_stop)
         self.loop.call_later(TICK_S, self._tick)
@@ -225,6 +252,10 @@ class Server:
     def close(self) -> None:
         self.lifecycle.close()
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        if self.kv_events is not None:
+            if self.kv_events.publisher.replay_fd is not None:
+                self.loop.remove_reader(self.kv_events.publisher.replay_fd)
+            self.kv_events.close()
         for engine in self.engines.values():
             engine.close()
         if self.pinner is not None:

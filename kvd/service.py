@@ -1,9 +1,8 @@
-"""Turns requests into core operations and copy jobs.
+"""Turns requests into core operations; hands Transfers to ``kvd.transfers``.
 
 Runs on the event loop only (no locks). ``handle`` answers every request at once,
-except Transfer, whose Done is pushed by ``copy_done`` when the engine finished (the
-data path lives in ``kvd.transfers``). Every input is validated; a bad one gets a typed
-Error and changes nothing.
+except Transfer, which ``Transfers`` ends with exactly one Done. Every input is
+validated; a bad one gets a typed Error (a Transfer: a Done) and changes nothing.
 """
 
 from __future__ import annotations
@@ -24,14 +23,15 @@ from kvd.core.index import PENDING, Index
 from kvd.core.states import NO_SLOT
 from kvd.core.policies import DEFAULT_POLICY, make_policy
 from kvd.core.tenants import Tenant, TenantError, Tenants, fingerprint_digest
-from kvd.core.tickets import Tickets
 from kvd.engines.base import TransferEngine
 from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
+from kvd.events import TenantInfo
 from kvd.journal import Header
 from kvd.persist import Persistence
 from kvd.pool import Pool
-from kvd.status import status_document
-from kvd.transfers import Client, Counters, TransferPath
+from kvd.publisher import KvEvents
+from kvd.status import Sources, status_document
+from kvd.transfers import Client, Counters, Transfers, own_slots
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32
 
@@ -39,7 +39,7 @@ log = logging.getLogger("kvd.service")
 Send = Callable[[bytes, m.Reply], None]
 
 
-class Service(TransferPath):
+class Service:
     def __init__(self, config: Config, pool: Pool, engines: dict[str, TransferEngine],
                  send: Send, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -52,30 +52,67 @@ class Service(TransferPath):
         alloc = Allocator(config.pool_size, config.extent_size, config.min_slot_bytes)
         policy = make_policy(config.policy or DEFAULT_POLICY, alloc.max_slots)
         self.policy_name = policy.name
-        self.index = Index(alloc, policy, record=config.persist)
+        self.index = Index(alloc, policy, record=config.persist or bool(config.events_endpoint))
         self.tenants = Tenants()
-        self.tickets: Tickets[tuple[Client, m.Transfer]] = Tickets()
         self.persist: Persistence | None = None
         if config.persist:
             self.persist = Persistence(config.journal, Header(
                 config.pool_size, config.extent_size, config.min_slot_bytes))
             self.persist.recover(self.index, self.tenants, pool.array, pool.reused)
+        self._block_tokens: dict[int, int] = {}  # tenant id -> tokens per block
+        self.kv_events: KvEvents | None = None  # fleet routing (kvd.publisher)
+        if config.events_endpoint:
+            self.kv_events = KvEvents(
+                config.events_endpoint, config.events_replay_endpoint,
+                topic=config.events_topic, node=config.events_node, hwm=config.events_hwm,
+                int_hashes=config.events_int_hashes, info=self._tenant_info,
+                tenants=lambda: [t.id for t in self.tenants])
+            self.kv_events.clear(self._held())  # a (re)start: what it holds now
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
+        self.transfers = Transfers(config, self.index, pool.base, send, clock, self.counters,
+                                   committed=self._journal)
         self._next_client = 1
         self.on_client = None  # set by the server: watch a new client's pid
         self.extra_status: Callable[[], dict] = dict  # the shell adds what it owns
         self.origins: dict[str, str] = {}  # config key -> where its value came from
         self.stopping = False  # set on SIGTERM: new work is refused with BUSY
-        self.inflight = 0  # transfers submitted to an engine and not completed yet
-        self._block_tokens: dict[int, int] = {}  # tenant id -> tokens per block
 
     # ------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
-        reply = self._dispatch(identity, peer, msg)
-        if self.persist is not None:
-            self.persist.drain(self.index)  # journaled before the reply leaves
+        try:
+            reply = self._dispatch(identity, peer, msg)
+        except Exception as e:
+            client = self.clients.get(identity)
+            if not isinstance(msg, m.Transfer) or client is None:
+                raise  # the server answers with an INTERNAL Error
+            log.exception("internal error on a Transfer")
+            reply = self.transfers.done(client, msg, KvdError(f"internal error: {e}"))
+        self._journal()  # journaled before the reply leaves
         return reply
+
+    @property
+    def inflight(self) -> int:
+        """Transfers inside an engine, not completed yet."""
+        return self.transfers.inflight
+
+    def _journal(self) -> None:
+        """The index's queued changes go to the journal and the KV event stream."""
+        if self.kv_events is not None and self.index.events:
+            self.kv_events.add(self.index.events)
+            if self.persist is None:
+                self.index.events = []
+        if self.persist is not None:
+            self.persist.drain(self.index)
+
+    def _tenant_info(self, tenant_id: int) -> TenantInfo:
+        t = self.tenants.get(tenant_id)
+        return TenantInfo(t.model if t else "", self._block_tokens.get(tenant_id, 0))
+
+    def _held(self) -> list[tuple]:
+        """Every READY block as a commit tuple (parent unknown), for the event stream."""
+        return [("commit", tid, key, slot, depth, sums, None)
+                for tid, key, slot, depth, sums in self.index.live_blocks()]
 
     def _dispatch(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
         self.counters.requests += 1
@@ -91,7 +128,7 @@ class Service(TransferPath):
                                                   m.Transfer)):
                 raise KvdError("kvd is stopping; retry once it is back", m.Code.BUSY)
             if isinstance(msg, m.Transfer):
-                return self._transfer(client, msg)
+                return self.transfers.accept(client, msg)
             if isinstance(msg, m.Ping):
                 return m.Ok(msg.req)
             if isinstance(msg, m.Stats):
@@ -113,23 +150,19 @@ class Service(TransferPath):
             if isinstance(msg, m.Release):
                 return self._release(client, msg)
             if isinstance(msg, m.Abort):
-                slots = self._own_slots(tenant, msg.slots, PENDING)
+                slots = own_slots(self.index, tenant, msg.slots, PENDING)
                 return m.Ok(msg.req, self.index.abort(slots))
             raise RequestError(f"unexpected message {type(msg).__name__}")
         except KvdError as e:
-            self._count_error(e.code)
-            if isinstance(msg, m.Transfer):  # a Transfer is answered by one Done, always
-                return m.Done(msg.req, msg.event, e.code, str(e))
+            client = self.clients.get(identity)
+            if isinstance(msg, m.Transfer) and client is not None:
+                return self.transfers.done(client, msg, e)  # one Done, always
+            self.counters.error(e.code)
             return m.Error(msg.req, e.code, str(e))
 
     def error(self, req: int, code: m.Code, message: str) -> m.Error:
-        self._count_error(code)
+        self.counters.error(code)
         return m.Error(req, code, message)
-
-    def _count_error(self, code: m.Code) -> None:
-        self.counters.errors += 1
-        name = m.Code(code).name
-        self.counters.by_code[name] = self.counters.by_code.get(name, 0) + 1
 
     def _admin(self, msg: m.Evict | m.Flush | m.GetConfig) -> m.Reply:
         """Operator requests (kvdctl); they need a Hello, not a tenant."""
@@ -141,6 +174,9 @@ class Service(TransferPath):
         if tenant != -1 and target is None:
             raise RequestError(f"no tenant {tenant}")
         n = self.index.evict_tenant(target)
+        if target is None and self.kv_events is not None:
+            self._journal()
+            self.kv_events.clear(self._held())
         log.info("admin %s: evicted %d blocks", type(msg).__name__.lower(), n)
         return m.Ok(msg.req, n)
 
@@ -148,10 +184,7 @@ class Service(TransferPath):
         """SIGHUP: the new config's live keys apply from the next request on (the
         lifecycle decides which keys are live; parts that cache a value refresh here)."""
         self.config = config
-
-    def shutdown(self) -> None:
-        """Last call on the loop before the daemon exits, after in-flight transfers
-        finished: persistence flushes its journal here."""
+        self.transfers.config = config
 
     # ------------------------------------------------------------ handshake
     @property
@@ -182,7 +215,8 @@ class Service(TransferPath):
         self.clients[identity] = client
         if self.on_client is not None:
             self.on_client(client)
-        return m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), self.instance, client.id)
+        return m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), self.instance, client.id,
+                         peer.pid)  # 0 when the kernel did not say: the client cannot tell
 
     def _register(self, client: Client, msg: m.Register) -> m.Reply:
         fp = msg.fingerprint
@@ -279,7 +313,7 @@ class Service(TransferPath):
         if room <= 0:
             raise KvdError(f"pending-store quota of {self.config.max_pending_blocks} blocks "
                            "reached; finish or abort stores first", m.Code.BUSY)
-        if msg.ticket and self.tickets.holds(tenant.id, msg.ticket):
+        if msg.ticket and self.transfers.ticket_in_use(tenant, msg.ticket):
             raise RequestError(f"ticket {msg.ticket} is in use; pick another")
         # Only the first `room` keys may get slots (keys already stored take none).
         now = self.clock()
@@ -288,12 +322,7 @@ class Service(TransferPath):
         if msg.ticket:  # the rest of the keys get no slot: their blocks are skipped
             slots = np.full(len(msg.keys), NO_SLOT, dtype=np.uint32)
             slots[:len(res.slots)] = res.slots
-            early = self.tickets.add(tenant.id, msg.ticket, slots, tenant.tp_size,
-                                     now + pending_s)
-            for sender, transfer in early:  # Transfers that overtook this Allocate
-                reply = None if sender.gone else self._dispatch_transfer(sender, transfer)
-                if reply is not None:
-                    self.send(sender.identity, reply)
+            self.transfers.add_ticket(tenant, msg.ticket, slots, now + pending_s)
         return m.Allocated(msg.req, pack_u32(res.slots), res.evicted, res.allocated)
 
     def _release(self, client: Client, msg: m.Release) -> m.Reply:
@@ -305,24 +334,22 @@ class Service(TransferPath):
     def idle(self) -> None:
         """Work deferred until the replies of a burst are out (policy touches)."""
         self.index.flush()
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def tick(self) -> None:
         now = self.clock()
         self.index.expire(now)
-        for client, msg in self.tickets.expire(now):
-            self._count_error(m.Code.BAD_IDS)
-            if not client.gone:
-                self.send(client.identity, m.Done(
-                    msg.req, msg.event, m.Code.BAD_IDS,
-                    f"no allocation under ticket {msg.ticket} (never made, expired, or every "
-                    "rank stored with it already)"))
+        self.transfers.expire(now)
         limit = self.config.client_timeout_ms / 1000
         for identity in [i for i, c in self.clients.items() if now - c.last_seen > limit]:
             log.warning("client %d (pid %d) silent for %.1fs: dropped",
                         self.clients[identity].id, self.clients[identity].pid, limit)
             self.client_gone(identity)
+        self._journal()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if self.persist is not None:
-            self.persist.drain(self.index)
             self.persist.finish_compaction()
             self.persist.maybe_compact(self.index, self.tenants)
 
@@ -331,6 +358,7 @@ class Service(TransferPath):
         if client is None:
             return
         client.gone = True
+        self.transfers.cancel(client)
         leases, pending = self.index.drop_owner(client.id)
         if client.tenant is not None:
             client.tenant.clients.discard(client.id)
@@ -343,5 +371,9 @@ class Service(TransferPath):
         return [c.identity for c in self.clients.values() if c.pid == pid]
 
     def status(self) -> dict:
-        return status_document(self)
+        events = self.kv_events.status() if self.kv_events else {"enabled": False}
+        return status_document(Sources(
+            self.instance, self.started, self.policy_name, self.pool, self.index,
+            self.tenants, self.clients.values(), self.counters, self.inflight, self.persist,
+            {"events": events, **self.extra_status()}))
 

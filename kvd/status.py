@@ -1,22 +1,43 @@
 """The status document: what ``kvdctl status --json``, metrics and STATUS= lines read.
 
-Built on the loop from the service's state; the schema only grows (keys are added, never
-renamed), like the wire.
+Built on the loop from ``Sources``, the few parts of the daemon's state it reads; the
+schema only grows (keys are added, never renamed), like the wire.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
+from kvd.core.index import Index
+from kvd.core.tenants import Tenants
+from kvd.persist import Persistence
+from kvd.pool import Pool
+from kvd.transfers import Client, Counters
 from kvd_proto import messages as m
 
-if TYPE_CHECKING:
-    from kvd.service import Service
+
+@dataclass(frozen=True)
+class Sources:
+    """What the status document is built from (read on the loop, never kept)."""
+
+    instance: str
+    started: float  # wall-clock start, for uptime
+    policy_name: str
+    pool: Pool
+    index: Index
+    tenants: Tenants
+    clients: Iterable[Client]
+    counters: Counters
+    inflight: int
+    persist: Persistence | None
+    extra: dict[str, Any]  # what the shell adds (pinning, data paths, lifecycle)
 
 
-def status_document(svc: Service) -> dict:
+def status_document(svc: Sources) -> dict:
     ix, alloc = svc.index, svc.index.allocator
     c = ix.counters
     return {
@@ -35,10 +56,10 @@ def status_document(svc: Service) -> dict:
         "blocks": {"ready": ix.ready_blocks, "pending": ix.pending_blocks,
                    "pinned": ix.pinned_blocks, "leases": ix.leases},
         "clients": [
-            {"id": cl.id, "pid": cl.pid, "name": cl.name, "rank": cl.rank,
+            {"id": cl.id, "pid": cl.pid, "name": cl.name, "kind": cl.kind, "rank": cl.rank,
              "tenant": cl.tenant.id if cl.tenant else None, "inflight": cl.inflight,
              "requests": cl.requests}
-            for cl in svc.clients.values()
+            for cl in svc.clients
         ],
         "tenants": [
             {"id": t.id, "digest": t.digest, "model": t.model, "tp_size": t.tp_size,
@@ -48,7 +69,7 @@ def status_document(svc: Service) -> dict:
         ],
         "transfers": {"inflight": svc.inflight},
         "persistence": _persistence(svc),
-        **svc.extra_status(),
+        **svc.extra,
         "counters": {
             "requests": svc.counters.requests, "errors": svc.counters.errors,
             "lookups": c.lookups, "lookup_keys": c.lookup_keys,
@@ -59,6 +80,7 @@ def status_document(svc: Service) -> dict:
             "evicted_blocks": c.evicted_blocks, "evicted_bytes": c.evicted_bytes,
             "failed_stores": c.failed_stores,
             "failed_transfers": svc.counters.failed_transfers,
+            "expired_transfers": svc.counters.expired_transfers,
             "corrupt_blocks": svc.counters.corrupt_blocks,
             "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
             "no_space": c.no_space,
@@ -69,7 +91,7 @@ def status_document(svc: Service) -> dict:
     }
 
 
-def _persistence(svc: Service) -> dict:
+def _persistence(svc: Sources) -> dict:
     p = svc.persist
     if p is None:
         return {"enabled": False}

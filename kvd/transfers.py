@@ -1,14 +1,22 @@
-"""The data path of the service: Transfer requests into copy jobs, and their Done.
+"""A Transfer's whole life in the daemon, from its arrival to its one Done.
 
-Part of ``Service`` (same loop, same state; split out to keep each file one concept):
-a Transfer is checked (slots of the sender's tenant in the right state, block ids
-within its registered memory), turned into address arrays with numpy and handed to a
-copy engine; ``copy_done`` publishes READY (or drops a failed store) and pushes Done.
+``Transfers`` owns it: ``accept`` checks a Transfer (slots of the sender's tenant in the
+right state, block ids inside its registered memory, a ticket's slots, the deadline),
+builds the copy job with numpy and hands it to the client's engine; ``complete`` (on
+the loop, once per job) publishes READY or gives a failed store up and pushes the Done.
+``done`` builds every Done the daemon sends. Exactly once, decided here: a Transfer
+ends by ``accept`` answering at once, by ``complete``, or by its parked ticket expiring.
+
+Deadlines: a Transfer names the last CLOCK_MONOTONIC instant at which a copy may start.
+One that arrives late (a daemon paused, a backlog) ends EXPIRED without touching memory;
+an engine checks the deadline again before each copy; a gone client's jobs get their
+deadline cut to now, so nothing more of them is copied.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,15 +27,14 @@ from kvd.core.index import PENDING, READY, Index
 from kvd.core.states import NO_SLOT
 from kvd.core.tenants import Tenant
 from kvd.core.tickets import Tickets
-from kvd.engines.base import CopyJob, TransferEngine
+from kvd.engines.base import ChecksumSpec, CopyJob, TransferEngine, expired
 from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
-from kvd.persist import Persistence
-from kvd.pool import Pool
 from kvd_proto import messages as m
 from kvd_proto.ids import unpack_u32
 
-log = logging.getLogger("kvd.service")
+log = logging.getLogger("kvd.transfers")
 TICKET_WAIT_S = 2.0  # how long a Transfer waits for the Allocate whose ticket it names
+Send = Callable[[bytes, m.Reply], None]
 
 
 @dataclass(eq=False)
@@ -51,6 +58,15 @@ class Client:
     admin: bool = False
     last_seen: float = 0.0
 
+    @property
+    def kind(self) -> str:
+        """What the connection is, for operators: an engine's scheduler, one of its
+        workers (by rank), or a connection without a tenant (kvdctl, or an engine still
+        in its handshake)."""
+        if self.tenant is None:
+            return "admin" if self.name.startswith("kvdctl") else "unregistered"
+        return "scheduler" if self.rank < 0 else f"worker{self.rank}"
+
 
 @dataclass
 class Counters:
@@ -60,150 +76,237 @@ class Counters:
     loaded_bytes: int = 0
     stored_bytes: int = 0
     failed_transfers: int = 0
+    expired_transfers: int = 0
     corrupt_blocks: int = 0
     lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
     hit_tokens: int = 0
     by_code: dict[str, int] = field(default_factory=dict)  # errors by Code name
 
+    def error(self, code: m.Code) -> None:
+        self.errors += 1
+        name = m.Code(code).name
+        self.by_code[name] = self.by_code.get(name, 0) + 1
 
-class TransferPath:
-    """Mixed into ``Service``, which owns these."""
 
-    config: Config
-    pool: Pool
-    index: Index
-    tickets: Tickets[tuple[Client, m.Transfer]]
-    persist: Persistence | None
-    counters: Counters
-    inflight: int
-    send: Callable[[bytes, m.Reply], None]
-    clock: Callable[[], float]
-    _count_error: Callable[[m.Code], None]
+def own_slots(index: Index, tenant: Tenant, packed: bytes | np.ndarray,
+              state: int) -> np.ndarray:
+    """Slot ids (from the wire, or a ticket), checked: in range, ``tenant``'s, in
+    ``state``."""
+    try:
+        ids = unpack_u32(packed) if isinstance(packed, bytes) else packed
+    except ValueError as e:
+        raise BadIds(str(e)) from None
+    slots = ids.astype(np.int64)
+    if slots.size and int(slots.max()) >= index.allocator.max_slots:
+        raise BadIds(f"slot id {int(slots.max())} out of range")
+    bad = (index.tenant_of[slots] != tenant.id) | (index.state[slots] != state)
+    if bad.any():
+        s = int(slots[np.argmax(bad)])
+        want = "PENDING" if state == PENDING else "READY"
+        raise BadIds(f"slot {s} is not a {want} slot of this tenant")
+    return slots
 
-    def _own_slots(self, tenant: Tenant, packed: bytes | np.ndarray, state: int) -> np.ndarray:
-        """Slot ids (from the wire, or a ticket), checked: in range, this tenant's, in
-        ``state``."""
+
+class Transfers:
+    def __init__(self, config: Config, index: Index, pool_base: int, send: Send,
+                 clock: Callable[[], float], counters: Counters,
+                 committed: Callable[[], None] = lambda: None) -> None:
+        self.config = config  # replaced by the service on a reload
+        self.index = index
+        self.pool_base = pool_base
+        self.send = send
+        self.clock = clock  # CLOCK_MONOTONIC seconds, the clock of Transfer deadlines
+        self.counters = counters
+        self.committed = committed  # journal what the index changed, before the Done
+        self.tickets: Tickets[tuple[Client, m.Transfer]] = Tickets()
+        self.owners: dict[CopyJob, Client] = {}  # jobs inside an engine
+        self.on_finished: Callable[[m.Direction, bool, float], None] = lambda *a: None
+
+    @property
+    def inflight(self) -> int:
+        return len(self.owners)
+
+    # ------------------------------------------------------------ the one Done
+    def done(self, client: Client, msg: m.Transfer | CopyJob, error: Exception | None = None,
+             nbytes: int = 0, seconds: float = 0.0) -> m.Done:
+        """Build (and count) the Done that ends ``msg``; the caller sends it."""
+        if error is None:
+            return m.Done(msg.req, msg.event, m.Code.OK, "", nbytes, seconds)
+        code = error.code if isinstance(error, KvdError) else m.Code.TRANSFER_FAILED
+        self.counters.error(code)
+        if code == m.Code.EXPIRED:
+            self.counters.expired_transfers += 1
+        return m.Done(msg.req, msg.event, code, str(error), 0, seconds)
+
+    def _push(self, client: Client, reply: m.Done | m.EventWaited) -> None:
+        if not client.gone:
+            self.send(client.identity, reply)
+
+    # ------------------------------------------------------------ accept
+    def accept(self, client: Client, msg: m.Transfer) -> m.Done | None:
+        """A Transfer arrived: its Done now (refused, expired, nothing to copy), or None
+        when a copy job runs (``complete`` answers) or it waits for its ticket."""
         try:
-            ids = unpack_u32(packed) if isinstance(packed, bytes) else packed
-        except ValueError as e:
-            raise BadIds(str(e)) from None
-        slots = ids.astype(np.int64)
-        if slots.size and int(slots.max()) >= self.index.allocator.max_slots:
-            raise BadIds(f"slot id {int(slots.max())} out of range")
-        bad = (self.index.tenant_of[slots] != tenant.id) | (self.index.state[slots] != state)
-        if bad.any():
-            s = int(slots[np.argmax(bad)])
-            want = "PENDING" if state == PENDING else "READY"
-            raise BadIds(f"slot {s} is not a {want} slot of this tenant")
-        return slots
+            return self._accept(client, msg)
+        except KvdError as e:
+            return self.done(client, msg, e)
 
-    def _transfer(self, client: Client, msg: m.Transfer) -> m.Reply | None:
+    def _accept(self, client: Client, msg: m.Transfer) -> m.Done | None:
         tenant = client.tenant
         if tenant is None or client.engine is None:
             raise NotRegistered("register memory (Register with a rank) before a Transfer")
         if msg.direction not in (m.Direction.STORE, m.Direction.LOAD):
             raise RequestError(f"bad direction {msg.direction}")
-        state = PENDING if msg.direction == m.Direction.STORE else READY
+        if msg.deadline_ns < 0:
+            raise RequestError(f"bad deadline {msg.deadline_ns}")
+        store = msg.direction == m.Direction.STORE
         try:
             blocks = unpack_u32(msg.block_ids).astype(np.uint64)
         except ValueError as e:
             raise BadIds(str(e)) from None
         if msg.ticket:
-            if msg.direction != m.Direction.STORE or msg.slots:
+            if not store or msg.slots:
                 raise BadIds("a ticket stands for the slots of a store; send one or the other")
             ticketed = self.tickets.take(tenant.id, msg.ticket)
             if ticketed is None:  # its Allocate is still on the way (another connection)
-                self.tickets.park(tenant.id, msg.ticket, (client, msg),
-                                  self.clock() + TICKET_WAIT_S)
+                until = self.clock() + TICKET_WAIT_S
+                if msg.deadline_ns:
+                    until = min(until, msg.deadline_ns / 1e9)
+                self.tickets.park(tenant.id, msg.ticket, (client, msg), until)
                 return None
-            blocks, ticketed = _ticket_blocks(msg.ticket, blocks, ticketed)
+            if len(blocks) != len(ticketed):
+                raise BadIds(f"{len(blocks)} block ids for the {len(ticketed)} keys of "
+                             f"ticket {msg.ticket}")
+            keep = ticketed != NO_SLOT
+            blocks, ticketed = blocks[keep], ticketed[keep]
             if not ticketed.size:  # kvd holds every block already: nothing to copy
-                return m.Done(msg.req, msg.event)
-            slots = self._own_slots(tenant, ticketed, state)
+                return self.done(client, msg)
+            slots = own_slots(self.index, tenant, ticketed, PENDING)
         else:
-            slots = self._own_slots(tenant, msg.slots, state)
+            slots = own_slots(self.index, tenant, msg.slots, PENDING if store else READY)
         if len(blocks) != len(slots):
             raise BadIds(f"{len(blocks)} block ids for {len(slots)} slots")
         if blocks.size and int(blocks.max()) >= client.num_blocks:
             raise BadIds(f"block id {int(blocks.max())} beyond the registered "
                          f"{client.num_blocks} blocks")
-        if msg.direction == m.Direction.STORE and slots.size:
+        if store and slots.size:
             done = (self.index.rank_mask[slots] >> np.uint64(client.rank)) & np.uint64(1)
             if done.any():
-                raise BadIds(f"rank {client.rank} already stored slot {int(slots[np.argmax(done)])}")
-        alloc = self.index.allocator
-        slot_off = alloc.offsets(slots, tenant.slot_bytes).astype(np.uint64)
+                raise BadIds(f"rank {client.rank} already stored slot "
+                             f"{int(slots[np.argmax(done)])}")
+        job = self._job(client, tenant, msg, blocks, slots)
+        self.index.pin(slots)
+        self.owners[job] = client
+        client.inflight += 1
+        late = expired(job, self.clock())
+        if late is not None:  # arrived after its deadline (e.g. the daemon was paused)
+            self.complete(job, late, 0.0)
+            return None
+        try:
+            client.engine.submit(job)
+        except Exception as e:  # noqa: BLE001 - an engine bug still ends the job once
+            log.exception("engine %s refused transfer %d", client.engine.name, job.event)
+            self.complete(job, KvdError(f"internal error: {e}"), 0.0)
+        return None
+
+    def _job(self, client: Client, tenant: Tenant, msg: m.Transfer, blocks: np.ndarray,
+             slots: np.ndarray) -> CopyJob:
+        """Address arrays (numpy, no per-block loop) for the engine."""
+        slot_off = self.index.allocator.offsets(slots, tenant.slot_bytes).astype(np.uint64)
         page_off = np.array(tenant.page_offsets, dtype=np.uint64)
         rank_off = np.uint64(max(client.rank, 0) * tenant.rank_bytes)
-        pool = (np.uint64(self.pool.base) + rank_off + slot_off[:, None] + page_off[None, :])
+        pool = np.uint64(self.pool_base) + rank_off + slot_off[:, None] + page_off[None, :]
         remote = client.bases[None, :] + blocks[:, None] * client.strides[None, :]
         lengths = np.broadcast_to(client.pages, remote.shape)
-        job = CopyJob(client.id, msg.event, msg.req, msg.direction, client.pid,
-                      pool.ravel(), remote.ravel(), lengths.ravel().copy(), slots,
-                      msg.cuda_event)
-        job.context["client"] = client
+        deadline = msg.deadline_ns / 1e9 if msg.deadline_ns else math.inf
+        job = CopyJob(client.id, msg.event, msg.req, msg.direction, client.pid, pool.ravel(),
+                      remote.ravel(), lengths.ravel().copy(), slots, msg.cuda_event,
+                      deadline)
         if self.config.checksums:
             share = (slot_off + rank_off).astype(np.int64)
             if msg.direction == m.Direction.STORE:
-                job.context["sum"] = (share, tenant.rank_bytes)
+                job.checksum = ChecksumSpec(share, tenant.rank_bytes)
             elif self.config.verify_on_load:
-                sums = self.index.checksums
-                r = max(client.rank, 0)
+                sums, r = self.index.checksums, max(client.rank, 0)
                 expect = [sums.get(s, [0] * (r + 1))[r] for s in slots.tolist()]
-                job.context["verify"] = (share, tenant.rank_bytes, expect)
-        self.index.pin(slots)
-        client.inflight += 1
-        self.inflight += 1
-        client.engine.submit(job)
-        return None
+                job.checksum = ChecksumSpec(share, tenant.rank_bytes, expect)
+        return job
 
-    def _dispatch_transfer(self, client: Client, msg: m.Transfer) -> m.Reply | None:
-        """A parked Transfer, run now: errors become its Done, as in ``_dispatch``."""
+    # ------------------------------------------------------------ tickets
+    def ticket_in_use(self, tenant: Tenant, ticket: int) -> bool:
+        return self.tickets.holds(tenant.id, ticket)
+
+    def add_ticket(self, tenant: Tenant, ticket: int, slots: np.ndarray,
+                   until: float) -> None:
+        """An Allocate's slots under its ticket; Transfers that overtook it run now."""
+        for sender, transfer in self.tickets.add(tenant.id, ticket, slots, tenant.tp_size,
+                                                 until):
+            if not sender.gone:
+                reply = self.accept(sender, transfer)
+                if reply is not None:
+                    self._push(sender, reply)
+
+    # ------------------------------------------------------------ complete
+    def complete(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
+        """On the loop, once per job: unpin, publish READY or give the store up, Done."""
+        client = self.owners.pop(job)
+        client.inflight -= 1
         try:
-            return self._transfer(client, msg)
-        except KvdError as e:
-            self._count_error(e.code)
-            return m.Done(msg.req, msg.event, e.code, str(e))
+            self._settle(client, job, error)
+        except Exception as e:  # noqa: BLE001 - the client must still get its one Done
+            log.exception("completing transfer %d failed", job.event)
+            error = KvdError(f"internal error: {e}")
+        if error is None:
+            done = self.done(client, job, None, job.nbytes, seconds)
+        else:
+            done = self.done(client, job, error, seconds=seconds)
+        self.on_finished(job.direction, error is None, seconds)
+        self._push(client, done)
+        if client.gone and client.inflight == 0 and client.engine is not None:
+            client.engine.detach(client.id)
 
-    def copy_done(self, job: CopyJob, error: Exception | None, seconds: float) -> None:
-        """On the loop: unpin, publish READY, push Done."""
-        client: Client = job.context["client"]
+    def _settle(self, client: Client, job: CopyJob, error: Exception | None) -> None:
         self.index.unpin(job.slots)
-        nblocks = len(job.slots)
         if error is None and job.direction == m.Direction.STORE:
-            self.index.store_done(job.slots, client.rank, job.context.get("checksums"))
+            self.index.store_done(job.slots, client.rank, job.checksums)
             self.counters.stored_bytes += job.nbytes
         elif error is None:
-            self.counters.loaded_blocks += nblocks
+            self.counters.loaded_blocks += len(job.slots)
             self.counters.loaded_bytes += job.nbytes
         else:
             self.counters.failed_transfers += 1
             if job.direction == m.Direction.STORE:
                 self.index.abort(job.slots)  # never READY: every rank must succeed
-            corrupt = job.context.get("corrupt")
-            if corrupt:
-                self.counters.corrupt_blocks += len(corrupt)
-                self.index.discard([int(job.slots[i]) for i in corrupt])
+            if job.corrupt:
+                self.counters.corrupt_blocks += len(job.corrupt)
+                self.index.discard([int(job.slots[i]) for i in job.corrupt])
             log.warning("transfer %d of client %d failed: %s", job.event, job.client, error)
-        if self.persist is not None:
-            self.persist.drain(self.index)  # a commit is journaled before its Done
-        client.inflight -= 1
-        self.inflight -= 1
-        if error is None:
-            done = m.Done(job.req, job.event, m.Code.OK, "", job.nbytes, seconds)
-        else:
-            code = error.code if isinstance(error, KvdError) else m.Code.TRANSFER_FAILED
-            done = m.Done(job.req, job.event, code, str(error), 0, seconds)
-            self._count_error(code)
-        if not client.gone:
-            self.send(client.identity, done)
-        elif client.inflight == 0 and client.engine is not None:
-            client.engine.detach(client.id)
+        self.committed()  # a commit is journaled before its Done leaves
 
-def _ticket_blocks(ticket: int, blocks: np.ndarray,
-                   slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A store by ticket: the blocks whose keys got a slot, and those slots."""
-    if len(blocks) != len(slots):
-        raise BadIds(f"{len(blocks)} block ids for the {len(slots)} keys of ticket {ticket}")
-    keep = slots != NO_SLOT
-    return blocks[keep], slots[keep]
+    def event_waited(self, job: CopyJob) -> None:
+        """On the loop: the store's wait on its CUDA event is enqueued; the worker may
+        record that event again (always before the job's Done)."""
+        client = self.owners.get(job)
+        if client is not None:
+            self._push(client, m.EventWaited(job.req, job.event, job.cuda_event))
+
+    # ------------------------------------------------------------ ending early
+    def expire(self, now: float) -> None:
+        """Tick: parked Transfers whose ticket never came (or whose deadline passed)."""
+        for client, msg in self.tickets.expire(now):
+            if client.gone:
+                continue
+            if msg.deadline_ns and now > msg.deadline_ns / 1e9:
+                err: KvdError = KvdError("deadline passed while waiting for the Allocate of "
+                                         f"ticket {msg.ticket}", m.Code.EXPIRED)
+            else:
+                err = BadIds(f"no allocation under ticket {msg.ticket} (never made, expired, "
+                             "or every rank stored with it already)")
+            self._push(client, self.done(client, msg, err))
+
+    def cancel(self, client: Client) -> None:
+        """The client is gone: copy nothing more for it (engines see the deadline)."""
+        now = self.clock()
+        for job, owner in self.owners.items():
+            if owner is client:
+                job.deadline = min(job.deadline, now)

@@ -1,4 +1,4 @@
-"""Packed integer ids and address arrays.
+"""Packed integer ids.
 
 Lists of block and slot ids travel as little-endian bytes.
 
@@ -31,18 +31,3 @@ def unpack_u32(data: bytes) -> np.ndarray:
     if len(data) % 4:
         raise ValueError(f"packed ids have {len(data)} bytes, not a multiple of 4")
     return np.frombuffer(data, dtype=U32)
-
-
-def coalesce(
-    pool: np.ndarray, remote: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge neighbours that are contiguous on both sides (fewer, larger copies)."""
-    if len(lengths) < 2:
-        return pool, remote, lengths
-    ends_p = pool[:-1] + lengths[:-1]
-    ends_r = remote[:-1] + lengths[:-1]
-    starts = np.concatenate(([True], (ends_p != pool[1:]) | (ends_r != remote[1:])))
-    if starts.all():
-        return pool, remote, lengths
-    idx = np.flatnonzero(starts)
-    return pool[idx], remote[idx], np.add.reduceat(lengths, idx)

@@ -18,6 +18,12 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A Transfer's deadline is the last instant (CLOCK_MONOTONIC, the clock every process of
+# a node shares) at which the daemon may *start* a copy for it. A copy started just
+# before it ends within this grace, or its result is thrown away (a store commits
+# nothing). A client may therefore treat a Transfer as failed, and reuse its memory,
+# once deadline + EXPIRY_GRACE_NS has passed without a Done.
+EXPIRY_GRACE_NS = 1_000_000_000
 
 
 class Code(enum.IntEnum):
@@ -39,6 +45,9 @@ class Code(enum.IntEnum):
     CLIENT_GONE = 22
     ABORTED = 23
     CHECKSUM = 24
+    # The Transfer's deadline passed before the copy could start: nothing was copied
+    # (a store's slots were given up, a load wrote nothing into the client's memory).
+    EXPIRED = 25
     # Access control.
     FORBIDDEN = 30
     INTERNAL = 99
@@ -69,6 +78,9 @@ class HelloOk(_Msg, tag="hello_ok"):
     daemon_pid: int
     instance: str  # changes on every daemon start: a client re-registers when it does
     client_id: int
+    # The client's pid as the daemon sees it: equal to the client's own pid exactly when
+    # both share a PID namespace, so ``daemon_pid`` names the daemon for the client too.
+    peer_pid: int = 0
 
 
 class Fingerprint(msgspec.Struct, frozen=True, array_like=True):
@@ -198,6 +210,7 @@ class Transfer(_Msg, tag="transfer"):
     slots: bytes  # packed slot ids, same length (empty with a ticket)
     cuda_event: int = -1  # index in the registered event ring (stores on GPU)
     ticket: int = 0
+    deadline_ns: int = 0  # CLOCK_MONOTONIC ns; no copy starts after it (0: none)
 
 
 class Done(_Msg, tag="done"):

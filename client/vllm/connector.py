@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.kv_offload.base import make_offload_key
 
+from kvd_client.vllm.version import check_vllm_version
+
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 SPEC_NAME = "KvdOffloadingSpec"
 SPEC_MODULE = "kvd_client.vllm"
@@ -36,8 +38,6 @@ def request_keys(scheduler: object, request: object) -> list[bytes]:
 
 def prepare_config(vllm_config: object) -> None:
     """Point vLLM's spec factory at kvd and fill in the fingerprint's missing facts."""
-    from kvd_client.vllm import check_vllm_version  # noqa: PLC0415 - avoid a cycle
-
     check_vllm_version()
     ktc = vllm_config.kv_transfer_config  # type: ignore[attr-defined]
     extra = ktc.kv_connector_extra_config

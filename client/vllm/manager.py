@@ -46,7 +46,7 @@ from kvd_client.connection import Connection
 from kvd_client.errors import KvdClientError
 from kvd_client.vllm.failopen import Boundary
 from kvd_client.vllm.fingerprint import EngineFacts, root_hash_matches
-from kvd_client.vllm.spec import KvdOptions, KvdSlots
+from kvd_client.vllm.options import KvdOptions, KvdSlots
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, unpack_u32
 

@@ -9,11 +9,8 @@ the worker (``get_worker``). Options come from ``kv_connector_extra_config`` (se
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, fields
 
-import numpy as np
-from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadingSpec
+from vllm.v1.kv_offload.base import OffloadingSpec
 
 from kvd_client.vllm.fingerprint import (
     EngineFacts,
@@ -22,77 +19,17 @@ from kvd_client.vllm.fingerprint import (
     make_fingerprint,
     root_seed,
 )
+from kvd_client.vllm.options import KvdOptions, KvdSlots, default_socket
+from kvd_client.vllm.version import check_vllm_version
 from kvd_proto.messages import Fingerprint
+
+__all__ = ["KvdOffloadingSpec", "KvdOptions", "KvdSlots", "default_socket"]
 
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 
 
-def default_socket() -> str:
-    """The daemon's default socket (same rule as ``kvd serve``)."""
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(run, "kvd") if run else f"/tmp/kvd-{os.getuid()}"
-    return os.path.join(base, "kvd.sock")
-
-
-@dataclass(frozen=True)
-class KvdOptions:
-    """``kv_connector_extra_config`` keys read by kvd (all optional)."""
-
-    socket: str = ""  # "" = $KVD_SOCKET, else the daemon's default socket
-    lookup_timeout_ms: int = 300  # a Lookup not answered by then is a miss
-    lookup_wait_ms: float = 2.0  # per scheduler step: wait this long for replies in flight
-    lease_ms: int = 30_000  # how long hit blocks stay pinned for the load
-    pending_wait_ms: int = 1_000  # how long a request waits for blocks still being stored
-    pending_ms: int = 60_000  # an allocated slot not stored by then is dropped
-    call_timeout_ms: int = 2_000  # connection liveness: pings, handshake
-    transfer_timeout_ms: int = 30_000  # a Transfer without Done by then is failed
-    keep_load_failure_policy: bool = False  # keep vLLM's "fail" instead of "recompute"
-    fail_loads_for_test: bool = False  # TEST ONLY: garble and fail every load
-
-    @classmethod
-    def from_extra(cls, extra: dict) -> KvdOptions:
-        known = {f.name: f for f in fields(cls)}
-        kw = {}
-        for key, value in extra.items():
-            if key in known:
-                typ = type(getattr(cls, key))
-                kw[key] = typ(value) if typ is not bool else value in (True, "true", "1", 1)
-        opts = cls(**kw)
-        if not opts.socket:
-            opts = cls(**{**kw, "socket": os.environ.get("KVD_SOCKET") or default_socket()})
-        return opts
-
-
-class KvdSlots(LoadStoreSpec):
-    """Pool slots of one job, picklable and small (it rides in every SchedulerOutput).
-
-    ``instance`` is the daemon run the slots belong to: a worker connected to another
-    run (the daemon restarted in between) must not use them. A store carries the
-    ``ticket`` of its Allocate instead of slots: the daemon knows them.
-    """
-
-    __slots__ = ("slots", "instance", "ticket")
-
-    def __init__(self, slots: np.ndarray, instance: str, ticket: int = 0) -> None:
-        self.slots = np.ascontiguousarray(slots, dtype=np.uint32)
-        self.instance = instance
-        self.ticket = ticket
-
-    def __getstate__(self) -> tuple[bytes, str, int]:
-        return self.slots.tobytes(), self.instance, self.ticket
-
-    def __setstate__(self, state: tuple[bytes, str, int]) -> None:
-        self.slots = np.frombuffer(state[0], dtype=np.uint32)
-        self.instance, self.ticket = state[1], state[2]
-
-    def __repr__(self) -> str:
-        return f"KvdSlots({self.slots.tolist()}, {self.instance[:8]}, ticket={self.ticket})"
-
-
 class KvdOffloadingSpec(OffloadingSpec):
     def __init__(self, config: object, *args: object, **kwargs: object) -> None:
-        from kvd_client.vllm import check_vllm_version  # noqa: PLC0415 - avoid a cycle
-
         check_vllm_version()
         super().__init__(config)  # type: ignore[arg-type]
         self.options = KvdOptions.from_extra(self.extra_config)
@@ -126,11 +63,27 @@ class KvdOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def get_worker(self, kv_caches):  # type: ignore[override]
+        """The worker; never raises for memory the daemon cannot copy: the worker then
+        copies its loads itself, or runs without offloading (logged once, counted)."""
         if self._worker is None:
-            from kvd_client.vllm.worker import KvdWorker  # noqa: PLC0415
+            from kvd_client.vllm.cuda_paths import OffloadOff  # noqa: PLC0415
+            from kvd_client.vllm.worker import (  # noqa: PLC0415
+                KvdWorker,
+                _report_load_errors_through,
+                data_path_for,
+            )
 
-            self._worker = KvdWorker(self.options, self.fingerprint, kv_caches,
-                                     rank=_tp_rank(self.config))
+            rank = _tp_rank(self.config)
+            path = data_path_for([t.tensor for t in kv_caches.tensors])
+            if isinstance(path, str):
+                self._worker = OffloadOff(rank, path)
+                self._worker.boundary.count("data_path.off")
+                _report_load_errors_through(self._worker)
+            else:
+                self._worker = KvdWorker(self.options, self.fingerprint, kv_caches,
+                                         rank=rank, path=path)
+                if path.kind == "client_copy":
+                    self._worker.boundary.count("data_path.client_copy")
         return self._worker
 
 

@@ -15,7 +15,9 @@ returning False, so every job reports success; what failed is handled here:
 
 The data path follows the tensors' device: host memory (vLLM on CPU) is read and written
 by the daemon with process_vm_readv/writev; CUDA memory is exported with IPC handles and
-stores are ordered after the forward pass by an interprocess event (kvd_client.cuda).
+stores are ordered after the forward pass by an interprocess event (kvd_client.cuda);
+memory the daemon cannot open is copied here (loads) by ``ClientCopyPath``
+(kvd_client.vllm.cuda_paths).
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvd_client.connection import Connection
+from kvd_client.errors import KvdClientError
 from kvd_client.memory import host_regions
+from kvd_client.vllm.cuda_paths import ClientCopyPath, CudaPath, cuda_data_path
 from kvd_client.vllm.failopen import Boundary
 from kvd_client.vllm.fingerprint import split_pages
-from kvd_client.vllm.spec import KvdOptions, KvdSlots
+from kvd_client.vllm.options import KvdOptions, KvdSlots
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, pack_u32
 
@@ -62,6 +66,10 @@ class _HostPath:
     def store_event(self) -> int:
         return -1
 
+    def before_send(self, load: bool, blocks: np.ndarray, slots: np.ndarray,
+                    conn: Connection) -> str:
+        return ""
+
     def event_done(self, index: int) -> None:
         return
 
@@ -69,43 +77,15 @@ class _HostPath:
         return
 
 
-class _CudaPath:
-    """GPU KV: IPC-exported regions plus an event ring ordering stores after compute."""
-
-    kind = "cuda"
-
-    def __init__(self, tensors: Sequence[Any]) -> None:
-        from kvd_client.cuda import EventRing, export_regions, gpu_tensors  # noqa: PLC0415
-
-        self.regions = export_regions([g for t in tensors for g in gpu_tensors(t)])
-        self.ring = EventRing()
-
-    def register(self, fp: m.Fingerprint, rank: int) -> m.Register:
-        return m.Register(0, fp, rank=rank,
-                          cuda_regions=split_pages(self.regions, fp.rank_page_bytes),
-                          cuda_event_handles=self.ring.handles)
-
-    def store_event(self) -> int:
-        import torch  # noqa: PLC0415 - only the CUDA path needs it
-
-        stream = torch.cuda.current_stream()
-        index = self.ring.record_next(stream.cuda_stream)
-        if index is None:  # every event still awaited by the daemon: order by syncing
-            stream.synchronize()
-            return -1
-        return index
-
-    def event_done(self, index: int) -> None:
-        if index >= 0:
-            self.ring.waited(index)
-
-    def close(self) -> None:
-        self.ring.close()
-
-
-def data_path_for(tensors: Sequence[Any]) -> _HostPath | _CudaPath:
+def data_path_for(tensors: Sequence[Any]) -> _HostPath | CudaPath | ClientCopyPath | str:
+    """The tensors' data path; a str says why this worker runs without offloading
+    (GPU paths and their fallbacks: kvd_client.vllm.cuda_paths)."""
     device = getattr(getattr(tensors[0], "device", None), "type", "cpu")
-    return _CudaPath(tensors) if device == "cuda" else _HostPath(tensors)
+    if device != "cuda":
+        return _HostPath(tensors)
+    from kvd_client.cuda import gpu_tensors  # noqa: PLC0415 - CUDA stays lazy
+
+    return cuda_data_path([g for t in tensors for g in gpu_tensors(t)])
 
 
 @dataclass(slots=True)
@@ -117,17 +97,21 @@ class _Job:
 
 class KvdWorker(OffloadingWorker):
     def __init__(self, options: KvdOptions, fingerprint: m.Fingerprint,
-                 kv_caches: CanonicalKVCaches, *, rank: int) -> None:
+                 kv_caches: CanonicalKVCaches, *, rank: int,
+                 path: _HostPath | CudaPath | ClientCopyPath | None = None) -> None:
+        """``path``: the data path get_worker chose (its fallbacks); else the tensors'."""
         self.options = options
         self.rank = rank
         self.boundary = Boundary(f"worker{rank}")
         self.tensors = [t.tensor for t in kv_caches.tensors]
-        self.path = data_path_for(self.tensors)
+        chosen = path if path is not None else data_path_for(self.tensors)
+        if isinstance(chosen, str):
+            raise KvdClientError(chosen)
+        self.path = chosen
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}  # submitted, Done not yet seen
         self._finished: list[TransferResult] = []
         self._load_errors: set[int] = set()
-        self._garble: list[np.ndarray] = []  # fail_loads_for_test only
         self.conn = Connection(
             options.socket, name=f"vllm-worker{rank}", timeout=options.call_timeout_ms / 1000,
             transfer_timeout=options.transfer_timeout_ms / 1000,
@@ -135,8 +119,6 @@ class KvdWorker(OffloadingWorker):
             on_event_waited=lambda ev: self.path.event_done(ev.cuda_event))
         log.info("kvd worker rank %d: %s data path, %d KV tensors, socket %s", rank,
                  self.path.kind, len(self.tensors), options.socket)
-        if options.fail_loads_for_test:
-            log.warning("kvd: fail_loads_for_test is on: every load is garbled and failed")
         _report_load_errors_through(self)
 
     # ------------------------------------------------------------ submit
@@ -156,7 +138,8 @@ class KvdWorker(OffloadingWorker):
     def _submit(self, job_id: int, load: bool, gpu: GPULoadStoreSpec,
                 slots_spec: LoadStoreSpec) -> None:
         blocks = np.asarray(gpu.block_ids, dtype=np.int64)
-        why = _unusable(slots_spec, blocks, self.conn)
+        why = _unusable(slots_spec, blocks, self.conn) or self.path.before_send(
+            load, blocks, slots_spec.slots, self.conn)  # type: ignore[union-attr]
         if why:
             self.boundary.count(f"{'load' if load else 'store'}.skipped.{why}")
             return self._fail_load(job_id, blocks) if load else self._complete(job_id)
@@ -179,9 +162,6 @@ class KvdWorker(OffloadingWorker):
             if job is None:
                 return  # unknown or already completed
             ok = done.code == m.Code.OK
-            if job.load and ok and self.options.fail_loads_for_test:
-                self._garble.append(job.block_ids)
-                ok = False
             if job.load and not ok:
                 self._load_errors.update(job.block_ids.tolist())
             self._finished.append(TransferResult(
@@ -207,18 +187,15 @@ class KvdWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         with self._cond:
             done, self._finished = self._finished, []
-            garble, self._garble = self._garble, []
-        for blocks in garble:  # TEST ONLY: prove failed loads are recomputed, not used
-            idx = _torch_index(blocks, self.tensors[0])
-            for t in self.tensors:
-                t[idx] = 77
         return done
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the jobs we know of in ``job_ids`` completed (unknown ids: ignored).
 
-        Bounded: the connection fails a Transfer without Done after transfer_timeout_ms."""
-        limit = time.monotonic() + self.options.transfer_timeout_ms / 1000 + 5
+        Bounded: the connection ends a Transfer without Done once the daemon can no
+        longer copy it (its deadline plus grace); ``limit`` only guards against a bug."""
+        limit = (time.monotonic() + self.options.transfer_timeout_ms / 1000
+                 + m.EXPIRY_GRACE_NS / 1e9 + 5)
         with self._cond:
             while any(j in self._jobs for j in job_ids):
                 left = limit - time.monotonic()
@@ -226,8 +203,10 @@ class KvdWorker(OffloadingWorker):
                     break
                 self._cond.wait(left)
             stuck = [j for j in job_ids if j in self._jobs]
-        for j in stuck:  # never seen before: the connection's own deadline failed
-            self._on_done(m.Done(0, j, m.Code.TRANSFER_FAILED, "no Done from kvd"))
+        if stuck:  # past every deadline: kvd copies nothing for them any more
+            log.error("kvd: jobs %s got no completion past their deadline", stuck)
+        for j in stuck:
+            self._on_done(m.Done(0, j, m.Code.EXPIRED, "no Done from kvd"))
 
     def take_load_errors(self) -> set[int]:
         """Engine block ids whose load failed since the last call (for vLLM's recompute)."""
@@ -282,9 +261,3 @@ def _unusable(spec: LoadStoreSpec, blocks: np.ndarray, conn: Connection) -> str:
     if (spec.slots == NO_SLOT).any():
         return "no_slot"
     return ""
-
-
-def _torch_index(blocks: np.ndarray, like: Any) -> Any:
-    import torch  # noqa: PLC0415
-
-    return torch.as_tensor(blocks, dtype=torch.long, device=like.device)

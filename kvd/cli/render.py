@@ -42,11 +42,11 @@ def tenants_table(tenants: list[dict[str, Any]]) -> str:
 def clients_table(clients: list[dict[str, Any]]) -> str:
     if not clients:
         return "no clients"
-    return table([[c["id"], c["pid"], c["name"] or "-",
+    return table([[c["id"], c["pid"], c.get("kind", "-"), c["name"] or "-",
                    "-" if c["tenant"] is None else c["tenant"],
                    "sched" if c["rank"] < 0 else c["rank"], c["inflight"], c["requests"]]
                   for c in clients],
-                 ["CLIENT", "PID", "NAME", "TENANT", "RANK", "INFLIGHT", "REQUESTS"])
+                 ["CLIENT", "PID", "KIND", "NAME", "TENANT", "RANK", "INFLIGHT", "REQUESTS"])
 
 
 def pinning(st: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.core.allocator import Allocator
-from kvd.core.eviction import Eviction
+from kvd.core.eviction import Evictor
 from kvd.core.states import FREE, NO_SLOT, PENDING, READY
 from kvd.core.policies.base import EvictionPolicy
 from kvd.core.tenants import Tenant, unscoped
@@ -50,6 +50,8 @@ class _Pending:
     deadline: float
     tenant: Tenant
     length: int = 0  # depth of the end of the allocating request's chain
+    keys: Sequence[bytes] = ()  # the call's keys, in chain order (parents, for events)
+    depth: int = 0  # the depth of keys[0]
 
 
 @dataclass
@@ -67,7 +69,7 @@ class IndexCounters:
 
 
 @dataclass
-class Index(Eviction):
+class Index:
     allocator: Allocator
     policy: EvictionPolicy
     # Two maps on purpose: lookups hit the per-tenant map with the keys exactly as they
@@ -75,8 +77,8 @@ class Index(Eviction):
     # eviction use tenant-scoped keys (tenant id bytes + key) through ``entries``.
     entries: dict[bytes, int] = field(default_factory=dict)  # scoped key -> slot
     counters: IndexCounters = field(default_factory=IndexCounters)
-    # Persistence: when on, commits and drops of READY blocks are queued in ``events``
-    # (plain tuples; the shell writes them to the journal before answering).
+    # When on, commits and drops of READY blocks are queued in ``events`` (plain
+    # tuples; the shell writes them to the journal and publishes them as KV events).
     record: bool = False
 
     def __post_init__(self) -> None:
@@ -102,7 +104,10 @@ class Index(Eviction):
         self.checksums: dict[int, list[int]] = {}  # READY slot -> per-rank xxh3
         self.leased_by: dict[int, int] = {}  # owner -> blocks under its leases (quotas)
         self.pending_by: dict[int, int] = {}  # owner -> its PENDING blocks (quotas)
-        self.events: list[tuple] = []  # ("commit", tenant, key, slot, depth, sums) | ("drop", slot)
+        # ("commit", tenant, key, slot, depth, sums, parent key | None)
+        # | ("drop", slot, tenant, key)
+        self.events: list[tuple] = []
+        self.evictor = Evictor(self)  # what leaves the cache, and when a slot is free
 
     # ------------------------------------------------------------ queries
     @property
@@ -208,7 +213,7 @@ class Index(Eviction):
             for s in [int(s) for s in slots if int(s) in self._doomed]:
                 if self.pins[s] == 0:
                     self._doomed.discard(s)
-                    self._free(s)
+                    self.evictor.free(s)
 
     # ------------------------------------------------------------ stores
     def allocate(
@@ -240,7 +245,7 @@ class Index(Eviction):
         evicted: list[bytes] = []
         total = 0
         if need > 0:
-            total = self._evict_for(tenant, need, len(new), evicted)
+            total = self.evictor.make_room(tenant, need, len(new), evicted)
         slots = [NO_SLOT] * len(keys)
         answered = len(keys)
         deadline = now + pending_s
@@ -258,7 +263,8 @@ class Index(Eviction):
             self.entries.update(zip(scoped, got))
             self._slot_key.update(zip(got, scoped))
             self._slot_tenant.update(dict.fromkeys(got, tenant))
-            self._pending.update(dict.fromkeys(got, _Pending(owner, deadline, tenant, length)))
+            self._pending.update(dict.fromkeys(
+                got, _Pending(owner, deadline, tenant, length, keys, depth)))
             if fresh:
                 slots = got + slots[len(got):]
             else:
@@ -345,9 +351,10 @@ class Index(Eviction):
                 sums = self._sums.pop(slot, None)
                 if sums is not None:
                     self.checksums[slot] = sums
-        if self.record:
+        if self.record:  # the parent: the key before in the same Allocate, if any
             sums_of = self.checksums.get
-            self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []))
+            self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []),
+                                p.keys[d - p.depth - 1] if d > p.depth else None)
                                for p, key, slot, d in zip(owners, keys, slots, depths))
 
     def abort(self, slots: np.ndarray) -> int:
@@ -358,7 +365,7 @@ class Index(Eviction):
             if slot < len(self.state) and self.state[slot] == PENDING and slot in self._pending:
                 self._count(self.pending_by, self._pending.pop(slot).owner, -1)
                 self._sums.pop(slot, None)
-                self._drop_entry(slot)
+                self.evictor.drop(slot)
                 n += 1
         self.counters.failed_stores += n
         return n
@@ -394,7 +401,7 @@ class Index(Eviction):
         for slot in slots:
             if self.state[slot] == READY:
                 self.policy.remove(self._slot_key[slot])
-                self._drop_entry(slot)
+                self.evictor.drop(slot)
                 n += 1
         return n
 
@@ -409,6 +416,10 @@ class Index(Eviction):
         return out
 
     # ------------------------------------------------------------ housekeeping
+    def evict_tenant(self, tenant: Tenant | None) -> int:
+        """Admin eviction of READY unpinned blocks (one tenant, or all when None)."""
+        return self.evictor.evict_tenant(tenant)
+
     def expire(self, now: float) -> tuple[int, int]:
         """Release leases and PENDING stores past their deadlines."""
         self.flush()

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_after,
-                              verify_then)
-from kvd_proto.ids import coalesce
+from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_after, expired,
+                              late, verify_then)
+from kvd_client.runs import coalesce
 from kvd.errors import TransferError
 from kvd_proto.messages import Code, Direction
 
@@ -140,7 +140,7 @@ class HostEngine(TransferEngine):
         if not bounds:
             bounds = [(0, 0)]
         state = _JobState(len(bounds), time.perf_counter())
-        if "verify" in job.context:
+        if job.checksum is not None and job.checksum.expected is not None:
             # Verify on a copy thread first (never on the loop); copies follow if clean.
             state.remaining, state.bounds, bounds = 1, bounds, [(-1, -1)]
         with self._lock:
@@ -163,15 +163,16 @@ class HostEngine(TransferEngine):
             if chunk is None:
                 return
             job, st = chunk.job, chunk.state
-            err: Exception | None = None
-            if chunk.lo < 0:  # the verification step of a load
+            # Never start a copy (nor a load's verification) past the deadline.
+            err: Exception | None = st.error or expired(job)
+            if err is None and chunk.lo < 0:  # the verification step of a load
                 err = verify_then(job, self.pool)
                 if err is None and st.bounds:
                     with self._lock:
                         st.remaining += len(st.bounds)
                     for lo, hi in st.bounds:
                         self._q.put(_Chunk(job, lo, hi, st))
-            elif st.error is None and chunk.hi > chunk.lo:
+            elif err is None and chunk.hi > chunk.lo:
                 try:
                     vm_copy(job.direction, job.pid, job.pool[chunk.lo:chunk.hi],
                             job.remote[chunk.lo:chunk.hi], job.lengths[chunk.lo:chunk.hi])
@@ -184,7 +185,9 @@ class HostEngine(TransferEngine):
                 last = st.remaining == 0
             if last:
                 if st.error is None and job.direction == Direction.STORE:
-                    checksum_after(job, self.pool)
+                    st.error = late(job)  # read after its client gave up: not trusted
+                    if st.error is None:
+                        checksum_after(job, self.pool)
                 self.on_done(job, st.error, time.perf_counter() - st.started)
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 4: the daemon is killed while the engine serves, then restarted: no request fails, and
    hits resume once the connector has reconnected and re-registered by itself.
 6: a load that fails inside the daemon (a corrupted slot caught by its checksum), and
-   a load whose bytes are garbled (test-only switch): vLLM recomputes, tokens identical;
+   a load whose bytes are garbled (a test-only spec, _garbling.py): vLLM recomputes,
+   tokens identical;
    a Lookup that is never answered (daemon stopped): served after the deadline.
 """
 
@@ -96,11 +97,14 @@ def test_corrupt_slot_is_recomputed(tiny_model, expected, daemon_factory, start_
     assert counters["corrupt_blocks"] > 0 and counters["failed_transfers"] > 0
 
 
+GARBLING = {"spec_name": "GarblingSpec", "spec_module_path": "_garbling"}
+
+
 def test_failed_load_is_recomputed_not_used(tiny_model, expected, daemon, run_engine):
-    """Test-only switch: every load's blocks are overwritten with garbage and reported as
+    """A test-only spec: every load's blocks are overwritten with garbage and reported as
     failed. Identical tokens prove vLLM recomputed them instead of using them, and the
     request is not retried forever (it loads from kvd at most once)."""
-    ktc = kvd_transfer_config(daemon.socket, fail_loads_for_test=True)
+    ktc = kvd_transfer_config(daemon.socket, **GARBLING)
     gens = run_engine({"model": str(tiny_model), "kv_transfer_config": ktc,
                        "steps": [GEN, RESET, GEN, RESET, GEN]}).generations
     assert all(g["token_ids"] == expected for g in gens), [g["token_ids"] for g in gens]
@@ -113,10 +117,7 @@ def test_failed_load_is_recomputed_on_the_standard_path(tiny_model, expected, da
     """Loaded as a plain OffloadingConnector spec, failed loads still reach vLLM."""
     ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
            "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"spec_name": "KvdOffloadingSpec",
-                                         "spec_module_path": "kvd_client.vllm",
-                                         "socket": daemon.socket,
-                                         "fail_loads_for_test": True}}
+           "kv_connector_extra_config": {**GARBLING, "socket": daemon.socket}}
     gens = run_engine({"model": str(tiny_model), "kv_transfer_config": ktc,
                        "steps": [GEN, RESET, GEN]}).generations
     assert all(g["token_ids"] == expected for g in gens), [g["token_ids"] for g in gens]

@@ -10,7 +10,6 @@ import re
 import signal
 import time
 import uuid
-from types import SimpleNamespace
 
 import pytest
 
@@ -100,35 +99,47 @@ def test_stopping_refuses_new_work_with_busy(service):
     assert service.status()["counters"]["errors_by_code"] == {"BUSY": 2}
 
 
-def _fake_server(inflight: int, stop_timeout_ms: int):
-    calls: list[str] = []
-    svc = SimpleNamespace(inflight=inflight, stopping=False,
-                          shutdown=lambda: calls.append("shutdown"))
-    server = SimpleNamespace(service=svc, stopping=asyncio.Event(),
-                             config=Config(stop_timeout_ms=stop_timeout_ms))
-    return server, calls
+class _FakeDaemon:
+    """Just the ``kvd.lifecycle.Daemon`` verbs, with transfers that finish on cue."""
+
+    def __init__(self, inflight: int, stop_timeout_ms: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.config = Config(stop_timeout_ms=stop_timeout_ms)
+        self.inflight = inflight
+        self.stop_requested = False
+        self.calls: list[str] = []
+
+    def status(self) -> dict:
+        return {}
+
+    def apply_config(self, config: Config, origins: dict[str, str]) -> None:
+        self.config = config
+
+    def begin_stop(self) -> None:
+        self.calls.append("begin_stop")
+        self.stop_requested = True
 
 
-def test_stop_waits_for_inflight_transfers_then_shuts_down():
+def test_stop_waits_for_inflight_transfers():
     async def scenario():
-        server, calls = _fake_server(inflight=2, stop_timeout_ms=5000)
+        server = _FakeDaemon(inflight=2, stop_timeout_ms=5000)
         life = Lifecycle(server, notifier=Notifier(None))
         life.status_line = lambda: "x"  # no real service behind this fake
         life.request_stop()
-        assert server.service.stopping and server.stopping.is_set() and life.phase == "stopping"
+        assert server.stop_requested and life.phase == "stopping"
         loop = asyncio.get_running_loop()
-        loop.call_later(0.2, setattr, server.service, "inflight", 0)
+        loop.call_later(0.2, setattr, server, "inflight", 0)
         t0 = time.monotonic()
         await life.drain()
-        return time.monotonic() - t0, calls
+        return time.monotonic() - t0, server.calls
 
     waited, calls = asyncio.run(scenario())
-    assert 0.15 <= waited < 2.0 and calls == ["shutdown"]
+    assert 0.15 <= waited < 2.0 and calls == ["begin_stop"]
 
 
 def test_stop_wait_is_bounded_and_a_second_signal_cuts_it_short():
     async def scenario(second_signal: bool):
-        server, calls = _fake_server(inflight=1, stop_timeout_ms=300)
+        server = _FakeDaemon(inflight=1, stop_timeout_ms=300)
         life = Lifecycle(server, notifier=Notifier(None))
         life.status_line = lambda: "x"
         life.request_stop()
@@ -136,12 +147,12 @@ def test_stop_wait_is_bounded_and_a_second_signal_cuts_it_short():
             life.request_stop()
         t0 = time.monotonic()
         await life.drain()
-        return time.monotonic() - t0, calls
+        return time.monotonic() - t0, server.calls
 
     waited, calls = asyncio.run(scenario(False))
-    assert 0.25 <= waited < 2.0 and calls == ["shutdown"]
-    waited, _ = asyncio.run(scenario(True))
-    assert waited < 0.1
+    assert 0.25 <= waited < 2.0 and calls == ["begin_stop"]
+    waited, calls = asyncio.run(scenario(True))
+    assert waited < 0.1 and calls == ["begin_stop"]  # the second signal begins no 2nd stop
 
 
 def test_log_lines_fit_journald(tmp_path):

@@ -1,0 +1,241 @@
+"""Every Transfer ends exactly once, and nothing is copied after its client gave it up.
+
+A real daemon subprocess is paused with SIGSTOP (as a swap storm or a stuck host would
+pause it) while Transfers of this process wait in its socket. The client here owns real
+memory that the daemon reads and writes with process_vm_readv/writev.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvd.engines.base import CopyJob, expired, late
+from kvd.engines.host import HostEngine
+from kvd_client import Connection, host_regions
+from kvd_proto import messages as m
+from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
+from tests.daemon.workers import Spec, fingerprint
+
+GRACE_S = m.EXPIRY_GRACE_NS / 1e9
+PAGES = (8192, 4096)
+
+
+class Client:
+    """One connection registered as rank 0, with its own KV memory, recording Dones."""
+
+    def __init__(self, socket: str, *, transfer_timeout: float = 5.0, timeout: float = 5.0,
+                 ping_interval: float = 1.0) -> None:
+        rng = np.random.default_rng(7)
+        self.mem = [rng.integers(1, 256, (32, p), dtype=np.uint8) for p in PAGES]
+        self.dones: list[tuple[float, m.Done]] = []
+        self.cv = threading.Condition()
+        spec = Spec(socket, pages=PAGES)
+        self.conn = Connection(socket, name="deadlines", on_done=self._done,
+                               transfer_timeout=transfer_timeout, timeout=timeout,
+                               ping_interval=ping_interval,
+                               register=m.Register(0, fingerprint(spec), 0,
+                                                   host_regions(self.mem)))
+        assert self.conn.wait_up(10)
+
+    def _done(self, done: m.Done) -> None:
+        with self.cv:
+            self.dones.append((time.monotonic(), done))
+            self.cv.notify_all()
+
+    def dones_of(self, event: int) -> list[m.Done]:
+        with self.cv:
+            return [d for _, d in self.dones if d.event == event]
+
+    def wait_done(self, event: int, timeout: float = 10) -> tuple[float, m.Done]:
+        with self.cv:
+            assert self.cv.wait_for(lambda: any(d.event == event for _, d in self.dones),
+                                    timeout), f"no Done for {event}"
+            return next((t, d) for t, d in self.dones if d.event == event)
+
+    def call(self, msg_type, **fields):
+        return self.conn.request(msg_type(req=self.conn.next_req(), **fields), 10)
+
+    def transfer(self, event: int, direction: m.Direction, blocks, slots=(), ticket=0) -> float:
+        sent = time.monotonic()
+        assert self.conn.send(m.Transfer(self.conn.next_req(), event, direction,
+                                         pack_u32(blocks), pack_u32(slots), ticket=ticket))
+        return sent
+
+    def store(self, keys: list[bytes], blocks: list[int], event: int) -> np.ndarray:
+        slots = unpack_u32(self.call(m.Allocate, keys=keys).slots)
+        assert (slots != NO_SLOT).all()
+        self.transfer(event, m.Direction.STORE, blocks, slots)
+        assert self.wait_done(event)[1].code == m.Code.OK
+        return slots
+
+    def block_bytes(self, blocks) -> list[bytes]:
+        return [b"".join(t[b].tobytes() for t in self.mem) for b in blocks]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@pytest.fixture
+def paused(daemon):
+    """``paused()`` stops the daemon; resuming is up to the test (or teardown)."""
+    stopped = []
+
+    def stop() -> None:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        stopped.append(True)
+
+    yield stop
+    if stopped:
+        os.kill(daemon.pid, signal.SIGCONT)
+
+
+def keys(prefix: bytes, n: int) -> list[bytes]:
+    return [prefix + bytes([i]) * 35 for i in range(n)]
+
+
+def test_a_load_that_waited_out_its_deadline_writes_nothing(daemon, paused):
+    c = Client(daemon.socket, transfer_timeout=0.3)
+    try:
+        k = keys(b"L", 4)
+        c.store(k, [0, 1, 2, 3], event=1)
+        hit = c.call(m.Lookup, keys=k)
+        assert hit.hits == 4
+        target = [20, 21, 22, 23]
+        for t in c.mem:
+            t[target] = 0
+        paused()
+        sent = c.transfer(2, m.Direction.LOAD, target, unpack_u32(hit.slots))
+        time.sleep(0.6)  # past the deadline, short of deadline + grace
+        assert c.dones_of(2) == []  # the client frees nothing while kvd might still copy
+        os.kill(daemon.pid, signal.SIGCONT)
+        at, done = c.wait_done(2)
+        assert done.code == m.Code.EXPIRED, done
+        assert at - sent < 0.3 + GRACE_S  # the daemon's own answer, not the client's
+        assert all(not t[target].any() for t in c.mem)  # not one byte written
+        st = daemon.status()["counters"]
+        assert st["expired_transfers"] == 1 and st["loaded_blocks"] == 0
+    finally:
+        c.close()
+
+
+def test_a_store_that_waited_out_its_deadline_never_becomes_ready(daemon, paused):
+    c = Client(daemon.socket, transfer_timeout=0.3)
+    try:
+        k = keys(b"S", 3)
+        slots = unpack_u32(c.call(m.Allocate, keys=k).slots)
+        paused()
+        c.transfer(5, m.Direction.STORE, [4, 5, 6], slots)
+        time.sleep(0.6)
+        os.kill(daemon.pid, signal.SIGCONT)
+        assert c.wait_done(5)[1].code == m.Code.EXPIRED
+        assert c.call(m.Lookup, keys=k).hits == 0
+        assert daemon.status()["blocks"]["pending"] == 0  # its slots were given up at once
+        # The keys can be stored again, and then they are served.
+        c.store(k, [4, 5, 6], event=6)
+        assert c.call(m.Lookup, keys=k).hits == 3
+    finally:
+        c.close()
+
+
+def test_without_a_done_the_client_gives_up_only_after_deadline_plus_grace(daemon, paused):
+    """The daemon stays paused past the give-up time, and past call_timeout (the
+    connection is declared lost and comes back): the Transfer is failed by the client
+    exactly once, not before deadline + grace; the daemon's late Done is ignored."""
+    c = Client(daemon.socket, transfer_timeout=0.4, timeout=0.5, ping_interval=0.2)
+    try:
+        k = keys(b"G", 2)
+        c.store(k, [0, 1], event=1)
+        hit = c.call(m.Lookup, keys=k)
+        target = [30, 31]
+        for t in c.mem:
+            t[target] = 0
+        paused()
+        sent = c.transfer(9, m.Direction.LOAD, target, unpack_u32(hit.slots))
+        at, done = c.wait_done(9, timeout=10)
+        assert at - sent >= 0.4 + GRACE_S - 0.05, at - sent
+        assert done.code == m.Code.EXPIRED and not c.conn.up  # lost, yet not failed early
+        time.sleep(0.3)
+        os.kill(daemon.pid, signal.SIGCONT)
+        assert c.conn.wait_up(10)  # reconnected by itself
+        time.sleep(0.5)  # the daemon ran its backlog: its Done for event 9 went nowhere
+        assert len(c.dones_of(9)) == 1
+        assert all(not t[target].any() for t in c.mem)
+        assert c.call(m.Lookup, keys=k).hits == 2  # and it serves again
+    finally:
+        c.close()
+
+
+def test_a_daemon_that_dies_ends_transfers_at_once(daemon, paused):
+    c = Client(daemon.socket, transfer_timeout=30)
+    try:
+        k = keys(b"D", 1)
+        c.store(k, [0], event=1)
+        hit = c.call(m.Lookup, keys=k)
+        paused()
+        sent = c.transfer(3, m.Direction.LOAD, [10], unpack_u32(hit.slots))
+        os.kill(daemon.pid, signal.SIGKILL)
+        at, done = c.wait_done(3, timeout=10)
+        assert done.code == m.Code.CLIENT_GONE and at - sent < 5  # not after 31 s
+    finally:
+        c.close()
+
+
+def _job(direction: m.Direction, pool: np.ndarray, far: np.ndarray, deadline: float,
+         event: int = 1) -> CopyJob:
+    n = len(pool)
+    return CopyJob(1, event, event, direction, os.getpid(),
+                   np.array([pool[i:].ctypes.data for i in range(0, n, 4096)], np.uint64),
+                   np.array([far[i:].ctypes.data for i in range(0, n, 4096)], np.uint64),
+                   np.full(n // 4096, 4096, np.uint64), np.arange(n // 4096), -1, deadline)
+
+
+@pytest.mark.parametrize("direction", [m.Direction.LOAD, m.Direction.STORE])
+def test_host_engine_never_starts_a_copy_past_its_deadline(direction):
+    """A copy thread is held (inside the previous job's completion) while the next job's
+    deadline passes; released, it ends that job EXPIRED without copying a byte."""
+    release, finished = threading.Event(), []
+
+    def on_done(job: CopyJob, error: Exception | None, seconds: float) -> None:
+        finished.append((job.event, error))
+        if job.event == 1:
+            release.wait(10)
+
+    src = np.full(4 * 4096, 5, np.uint8)
+    dst = np.zeros(4 * 4096, np.uint8)
+    engine = HostEngine(on_done, threads=1)
+    try:
+        # The job holds addresses only: the arrays must outlive its copy.
+        first_pool, first_far = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+        engine.submit(_job(m.Direction.LOAD, first_pool, first_far, time.monotonic() + 60,
+                           event=1))
+        pool, far = (src, dst) if direction == m.Direction.LOAD else (dst, src)
+        engine.submit(_job(direction, pool, far, time.monotonic() + 0.05, event=2))
+        time.sleep(0.2)
+        release.set()
+        deadline = time.monotonic() + 10
+        while len(finished) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (_, first), (event, error) = finished
+        assert first is None and event == 2
+        assert error is not None and error.code == m.Code.EXPIRED
+        assert not dst.any()
+        assert first_far.all()  # the held job did copy
+    finally:
+        release.set()
+        engine.close()
+
+
+def test_give_up_and_late_follow_the_protocol_grace():
+    job = _job(m.Direction.STORE, np.zeros(4096, np.uint8), np.zeros(4096, np.uint8), 100.0)
+    assert job.give_up == 100.0 + GRACE_S
+    assert expired(job, 100.0) is None and expired(job, 100.001).code == m.Code.EXPIRED
+    assert late(job, 100.0 + GRACE_S) is None
+    assert late(job, 100.01 + GRACE_S).code == m.Code.EXPIRED
+    job.direction = m.Direction.LOAD  # a load's late end cannot be undone: not "late"
+    assert late(job, 1e9) is None

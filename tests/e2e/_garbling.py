@@ -1,0 +1,47 @@
+"""A test-only kvd spec whose worker garbles the blocks of every load it is told
+succeeded, and reports that load failed. Identical tokens then prove that vLLM
+recomputed those blocks instead of using them (a failed load must never be consumed).
+
+Loaded by the engine like any out-of-tree spec:
+``{"spec_name": "GarblingSpec", "spec_module_path": "_garbling"}``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvd_client.vllm.spec import KvdOffloadingSpec, _tp_rank
+from kvd_client.vllm.worker import KvdWorker
+from kvd_proto import messages as m
+
+
+class GarblingWorker(KvdWorker):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.garble: list[np.ndarray] = []
+
+    def _on_done(self, done: m.Done) -> None:
+        with self._cond:
+            job = self._jobs.get(done.event)
+            if job is not None and job.load and done.code == m.Code.OK:
+                self.garble.append(job.block_ids)
+                done = m.Done(done.req, done.event, m.Code.TRANSFER_FAILED, "garbled (test)")
+        super()._on_done(done)
+
+    def get_finished(self):  # type: ignore[no-untyped-def]
+        with self._cond:
+            garble, self.garble = self.garble, []
+        for blocks in garble:  # before vLLM hears of the failure, as a torn copy would be
+            idx = torch.as_tensor(blocks, dtype=torch.long, device=self.tensors[0].device)
+            for t in self.tensors:
+                t[idx] = 77
+        return super().get_finished()
+
+
+class GarblingSpec(KvdOffloadingSpec):
+    def get_worker(self, kv_caches):  # type: ignore[no-untyped-def, override]
+        if self._worker is None:
+            self._worker = GarblingWorker(self.options, self.fingerprint, kv_caches,
+                                          rank=_tp_rank(self.config))
+        return self._worker
