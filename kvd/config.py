@@ -62,6 +62,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_pending_blocks: int = 1 << 20  # per client: blocks allocated and not yet stored
     client_timeout_ms: int = 10_000  # a client silent this long (no ping) is dropped
     max_message_bytes: int = 16 * 1024**2
+    # KV events in vLLM's format for fleet routers (README "Fleet routing"); "" is off.
+    events_endpoint: str = ""  # PUB address kvd binds, e.g. tcp://*:5557
+    events_replay_endpoint: str = ""  # ROUTER for replay of missed batches, tcp://*:5558
+    events_topic: str = "kv@{node}@{model}"  # also {tenant}: the tenant id
+    events_node: str = ""  # the node's name in topics; "" is the host name
+    events_int_hashes: bool = True  # hashes as 64-bit ints, like vLLM's default
+    events_hwm: int = 100_000  # batches queued per subscriber before it misses some
 
     def __post_init__(self) -> None:
         if self.pool_size < self.extent_size:
@@ -76,6 +83,19 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError("min_slot_bytes must be at least 64")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port {self.metrics_port} not in 0..65535")
+        if self.events_replay_endpoint and not self.events_endpoint:
+            raise ValueError("events_replay_endpoint needs events_endpoint")
+        for key in ("events_endpoint", "events_replay_endpoint"):
+            value = getattr(self, key)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{key} {value!r}: expected tcp://HOST:PORT or ipc://PATH")
+        try:
+            self.events_topic.format(node="n", model="m", tenant=0)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"events_topic {self.events_topic!r}: use only {{node}}, "
+                             f"{{model}} and {{tenant}} ({e})") from None
+        if self.events_hwm < 1:
+            raise ValueError("events_hwm must be at least 1")
 
     @property
     def journal(self) -> str:

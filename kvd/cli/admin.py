@@ -14,8 +14,10 @@ from "kvd said no" (exit 1), in words that say what to do.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from typing import Any
 
 import zmq
 
@@ -133,3 +135,10 @@ class AdminClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fetch_status(client: AdminClient) -> dict[str, Any]:
+    """The daemon's status document (what ``kvdctl status --json`` prints)."""
+    reply = client.request(m.Stats)
+    assert isinstance(reply, m.StatsOk)
+    return json.loads(reply.status)

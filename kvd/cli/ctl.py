@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvd.cli import render
+from kvd.cli import render, tail
 from kvd.cli.admin import (EXIT_DOWN, EXIT_FAIL, EXIT_OK, EXIT_USAGE, AdminClient,
-                           AdminError)
+                           AdminError, fetch_status)
 from kvd.config import SIZE_KEYS, default_socket
 from kvd_proto import messages as m
 
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = cmd("health", "one line; exit 0 when kvd is serving, 1 when unhealthy, 3 when down")
     h.add_argument("--live", action="store_true",
                    help="liveness only: answering is enough (starting/stopping count as ok)")
+    tail.add_parser(sub)
     try:
         from kvd.cli import simulate
     except ImportError:  # pragma: no cover - simulate ships with kvd
@@ -97,12 +98,6 @@ def resolve_socket(args: argparse.Namespace) -> str:
 
 def _client(args: argparse.Namespace) -> AdminClient:
     return AdminClient(args.socket_path, args.timeout)
-
-
-def fetch_status(client: AdminClient) -> dict[str, Any]:
-    reply = client.request(m.Stats)
-    assert isinstance(reply, m.StatsOk)
-    return json.loads(reply.status)
 
 
 def _out(args: argparse.Namespace, doc: Any, text: str) -> int:
@@ -244,6 +239,13 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "events":
+        try:
+            args.socket_path = resolve_socket(args)
+            return tail.run(args, _client(args))
+        except AdminError as e:
+            print(f"kvdctl: {e}", file=sys.stderr)
+            return e.exit_code
     if args.command == "simulate":
         from kvd.cli import simulate
 

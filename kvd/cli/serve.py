@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus endpoint port, 0 disables (KVD_METRICS_PORT; default 9727)")
     s.add_argument("--metrics-addr", metavar="ADDR",
                    help="Prometheus endpoint address (default 127.0.0.1)")
+    s.add_argument("--events-endpoint", metavar="ADDR",
+                   help="publish KV events in vLLM's format for fleet routers on this "
+                        "ZeroMQ address, e.g. tcp://*:5557 (default: off)")
+    s.add_argument("--events-replay-endpoint", metavar="ADDR",
+                   help="replay socket for missed event batches, e.g. tcp://*:5558")
+    s.add_argument("--events-hwm", type=int, metavar="N",
+                   help="event batches queued per subscriber before it misses some")
     return p
 
 

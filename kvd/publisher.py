@@ -1,0 +1,226 @@
+"""Publishing KV event batches on ZeroMQ, framed exactly as vLLM's ``ZmqEventPublisher``.
+
+Each batch is one multipart message ``(topic, 8-byte big-endian sequence number,
+msgpack payload)``; the sequence is per daemon, across topics, so a subscriber that
+sees a gap asks the replay socket (ROUTER) for the batches it missed: it sends
+``(b"", start_seq)`` from a REQ/DEALER socket and gets every buffered batch from that
+sequence on as ``(b"", topic, seq, payload)``, then ``(b"", b"", -1 as 8 bytes, b"")``.
+
+Why XPUB with XPUB_NODROP instead of PUB: a PUB socket drops silently at the
+high-water mark, so nobody could count what a slow subscriber lost. Here a send that
+would exceed some subscriber's high-water mark fails at once (never blocks); the batch
+is counted as dropped and sent again in lossy mode, so every other subscriber still
+gets it. A stuck or absent subscriber thus never slows the daemon: sends are
+non-blocking, and with no subscriber a batch goes nowhere.
+
+Runs on the event loop (the server services the replay socket from ``loop.add_reader``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvd.events import BatchBuilder, KVEventBatch, TenantInfo, node_name, topic_for
+
+log = logging.getLogger("kvd.publisher")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass
+class PublisherCounters:
+    batches: int = 0  # published (sent to every subscriber that kept up)
+    events: int = 0
+    dropped_batches: int = 0  # batches at least one subscriber missed (its HWM was full)
+    replay_requests: int = 0
+    replayed_batches: int = 0
+
+
+class Publisher:
+    def __init__(self, endpoint: str, replay_endpoint: str = "", hwm: int = 100_000,
+                 buffer_steps: int = 10_000, ctx: zmq.Context | None = None) -> None:
+        self.ctx = ctx or zmq.Context.instance()
+        self.counters = PublisherCounters()
+        self.seq = 0
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, hwm)
+        self.pub.setsockopt(zmq.XPUB_NODROP, 1)
+        self.endpoint = self._bind(self.pub, endpoint)
+        self.replay: zmq.Socket | None = None
+        self.replay_endpoint = ""
+        if replay_endpoint:
+            self.replay = self.ctx.socket(zmq.ROUTER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by the buffer
+            self.replay_endpoint = self._bind(self.replay, replay_endpoint)
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, endpoint: str) -> str:
+        """Bind (routers connect to kvd); port 0 picks one. Returns the bound address."""
+        from kvd.errors import ConfigError
+
+        if endpoint.startswith("tcp://[") or "::" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.bind(endpoint.replace("tcp://*:", "tcp://0.0.0.0:", 1))
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise ConfigError(f"cannot bind the events endpoint {endpoint}: {e}") from None
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def publish(self, batches: list[tuple[bytes, bytes, int]]) -> None:
+        """Send (topic, payload, event count) batches, in order, one sequence each."""
+        self._drain_subscriptions()
+        pub, buf = self.pub, self._buffer
+        c = self.counters
+        for topic, payload, n_events in batches:
+            seq_bytes = self.seq.to_bytes(8, "big")
+            buf.append((self.seq, topic, payload))
+            self.seq += 1
+            frames = (topic, seq_bytes, payload)
+            try:
+                pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:  # a subscriber is full: it misses this one, the rest do not
+                c.dropped_batches += 1
+                pub.setsockopt(zmq.XPUB_NODROP, 0)
+                try:
+                    pub.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                finally:
+                    pub.setsockopt(zmq.XPUB_NODROP, 1)
+            c.batches += 1
+            c.events += n_events
+
+    def _drain_subscriptions(self) -> None:
+        """XPUB queues (un)subscription messages; nobody needs them, so read them out."""
+        pub = self.pub
+        while pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                pub.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+    @property
+    def replay_fd(self) -> int | None:
+        return None if self.replay is None else self.replay.getsockopt(zmq.FD)
+
+    def service_replay(self) -> None:
+        """Answer every waiting replay request (edge-triggered FD: drain until empty)."""
+        sock = self.replay
+        if sock is None:
+            return
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("invalid replay request of %d frames", len(frames))
+                continue
+            client, _, start = frames
+            self._replay(client, int.from_bytes(start, "big"))
+
+    def _replay(self, client: bytes, start: int) -> None:
+        sock = self.replay
+        assert sock is not None
+        self.counters.replay_requests += 1
+        buf = self._buffer
+        first = buf[0][0] if buf else self.seq
+        n = 0
+        try:
+            for seq, topic, payload in itertools.islice(buf, max(0, start - first), None):
+                sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload),
+                                    flags=zmq.NOBLOCK, copy=False)
+                n += 1
+            sock.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the requester went away meanwhile
+            log.debug("replay to a vanished subscriber cut short: %s", e)
+        self.counters.replayed_batches += n
+
+    def status(self) -> dict:
+        c = self.counters
+        oldest = self._buffer[0][0] if self._buffer else self.seq
+        return {"enabled": True, "endpoint": self.endpoint,
+                "replay_endpoint": self.replay_endpoint, "next_seq": self.seq,
+                "replay_from_seq": oldest, "batches": c.batches, "events": c.events,
+                "dropped_batches": c.dropped_batches,
+                "replay_requests": c.replay_requests,
+                "replayed_batches": c.replayed_batches}
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close(linger=0)
+
+
+class KvEvents:
+    """The daemon's KV event stream: collects the index's changes of one loop iteration
+    and publishes them as one batch per tenant (never one per block).
+
+    ``add`` queues the core's event tuples; the first one of an iteration calls
+    ``on_pending`` (the server schedules ``flush`` with ``loop.call_soon``, so what
+    the rest of the iteration adds joins the same batch). ``clear`` marks a flush.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str, *, topic: str, node: str,
+                 hwm: int, int_hashes: bool, info: Callable[[int], TenantInfo],
+                 tenants: Callable[[], Iterable[int]]) -> None:
+        self.publisher = Publisher(endpoint, replay_endpoint, hwm)
+        self.builder = BatchBuilder(int_hashes)
+        self.node = node_name(node)
+        self.topic = topic
+        self.info = info
+        self.tenants = tenants
+        self.pending: list[tuple] = []
+        self.on_pending: Callable[[], None] | None = None
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._topics: dict[int, bytes] = {}
+
+    def add(self, events: list[tuple]) -> None:
+        if not events:
+            return
+        first = not self.pending
+        self.pending.extend(events)
+        if first and self.on_pending is not None:
+            self.on_pending()
+
+    def clear(self, kept: list[tuple]) -> None:
+        """Everything before is superseded: AllBlocksCleared on every tenant's topic,
+        then BlockStored for ``kept`` (commit tuples of the blocks still held)."""
+        self.add([("clear", kept)])
+
+    def flush(self) -> None:
+        """Publish what this iteration queued."""
+        if not self.pending:
+            return
+        events, self.pending = self.pending, []
+        by_tenant = self.builder.build(events, self.info, self.tenants())
+        if not by_tenant:
+            return
+        ts = time.time()
+        self.publisher.publish([(self._topic(tid), self._encode(KVEventBatch(ts, evs)),
+                                 len(evs)) for tid, evs in by_tenant.items()])
+
+    def _topic(self, tenant_id: int) -> bytes:
+        t = self._topics.get(tenant_id)
+        if t is None:
+            t = topic_for(self.topic, self.node, tenant_id, self.info(tenant_id).model)
+            self._topics[tenant_id] = t
+        return t
+
+    def status(self) -> dict:
+        return {**self.publisher.status(), "node": self.node, "topic": self.topic}
+
+    def close(self) -> None:
+        self.flush()
+        self.publisher.close()

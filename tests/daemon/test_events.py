@@ -1,0 +1,349 @@
+"""KV events for fleet routers, against a real daemon and real ZeroMQ sockets: vLLM's
+framing and layout, sequence numbers, replay, flush, eviction and a stuck subscriber."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvd.cli import ctl
+from kvd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode
+from kvd_client import Connection
+from kvd_proto import messages as m
+from kvd_proto.ids import NO_SLOT, unpack_u32
+from tests.daemon.workers import Spec, Worker, fingerprint
+
+EVENTS = ("--events-endpoint", "tcp://127.0.0.1:0",
+          "--events-replay-endpoint", "tcp://127.0.0.1:0")
+TOPIC = b"kv@node-a@tiny"
+
+
+def key(i: int, group: int = 0) -> bytes:
+    """An OffloadKey as vLLM builds it: a 32-byte block hash + 4-byte big-endian group."""
+    return hashlib.sha256(str(i).encode()).digest() + group.to_bytes(4, "big")
+
+
+def published(k: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash`` of the key's block hash (the default)."""
+    return int.from_bytes(k[:-4], "big") & (2**64 - 1)
+
+
+class Sub:
+    """A SUB socket on the daemon's event endpoint."""
+
+    def __init__(self, endpoint: str, rcvhwm: int = 0, rcvbuf: int = -1) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if rcvbuf > 0:
+            self.sock.setsockopt(zmq.RCVBUF, rcvbuf)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        self.sock.connect(endpoint)
+        time.sleep(0.3)  # the subscription reaches the publisher (slow joiner)
+
+    def recv(self, timeout: float = 5.0) -> tuple[bytes, int, bytes]:
+        assert self.sock.poll(int(timeout * 1000)), "no event batch arrived"
+        topic, seq, payload = self.sock.recv_multipart()
+        assert len(seq) == 8
+        return topic, int.from_bytes(seq, "big"), payload
+
+    def quiet(self, timeout: float = 0.3) -> bool:
+        return not self.sock.poll(int(timeout * 1000))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class Engine:
+    """A scheduler connection and one worker process of the test tenant."""
+
+    def __init__(self, socket: str) -> None:
+        self.spec = Spec(socket)
+        self.sched = Connection(socket, name="sched",
+                                register=m.Register(0, fingerprint(self.spec), -1))
+        assert self.sched.wait_up(10)
+        self.worker = Worker(self.spec)
+        self.event = 0
+
+    def store(self, keys: list[bytes], depth: int = 0) -> m.Allocated:
+        r = self.sched.request(m.Allocate(self.sched.next_req(), keys, depth=depth))
+        pairs = [(i % self.spec.num_blocks, s) for i, s in enumerate(unpack_u32(r.slots))
+                 if s != NO_SLOT]
+        if pairs:
+            self.event += 1
+            blocks, slots = zip(*pairs)
+            assert self.worker.store(self.event, blocks, slots)[1] == 0
+        return r
+
+    def close(self) -> None:
+        self.worker.close()
+        self.sched.close()
+
+
+@pytest.fixture
+def events_daemon(daemon_factory):
+    d = daemon_factory(*EVENTS, start=False)
+    d.env["KVD_EVENTS_NODE"] = "node-a"
+    return d.start()
+
+
+def endpoints(d) -> tuple[str, str]:
+    ev = d.status()["events"]
+    assert ev["enabled"]
+    return ev["endpoint"], ev["replay_endpoint"]
+
+
+def test_framing_sequence_and_layout(events_daemon):
+    pub, _ = endpoints(events_daemon)
+    sub = Sub(pub)
+    eng = Engine(events_daemon.socket)
+    try:
+        ks = [key(i) for i in range(6)]
+        eng.store(ks[:4])
+        topic, seq, payload = sub.recv()
+        assert (topic, seq) == (TOPIC, 0)
+        # vLLM's layout: an array [ts, events, dp rank (none: kvd is no DP rank)];
+        # each event a map tagged by "type".
+        raw = msgspec.msgpack.decode(payload)
+        assert isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], float)
+        assert raw[2] is None
+        assert [e["type"] for e in raw[1]] == ["BlockStored"]
+        (ev,) = decode(payload).events
+        assert ev == BlockStored(block_hashes=[published(k) for k in ks[:4]],
+                                 parent_block_hash=None, token_ids=[], block_size=16,
+                                 lora_id=None, medium="CPU", lora_name=None, group_idx=0)
+        # Keys already held are skipped; the new run's parent is the key before it.
+        eng.store(ks, depth=0)
+        topic, seq, payload = sub.recv()
+        (ev,) = decode(payload).events
+        assert seq == 1 and ev.block_hashes == [published(k) for k in ks[4:]]
+        assert ev.parent_block_hash == published(ks[3])
+        assert sub.quiet()  # one batch per loop iteration, not one per block
+        st = events_daemon.status()["events"]
+        assert st["batches"] == 2 and st["next_seq"] == 2 and st["dropped_batches"] == 0
+    finally:
+        eng.close()
+        sub.close()
+
+
+def test_raw_hashes_and_topic_template(daemon_factory):
+    d = daemon_factory("--events-endpoint", "tcp://127.0.0.1:0", start=False)
+    d.env.update(KVD_EVENTS_INT_HASHES="false", KVD_EVENTS_TOPIC="kvd/{node}/{tenant}",
+                 KVD_EVENTS_NODE="n1")
+    d.start()
+    sub = Sub(endpoints(d)[0])
+    sub.sock.setsockopt(zmq.SUBSCRIBE, b"kvd/")
+    eng = Engine(d.socket)
+    try:
+        eng.store([key(1), key(2, group=3)])
+        topic, _, payload = sub.recv()
+        events = decode(payload).events
+        assert topic == b"kvd/n1/1"
+        # A group change starts a new event; hashes travel as the raw bytes.
+        assert [(e.block_hashes, e.group_idx) for e in events] == [
+            ([key(1)[:-4]], 0), ([key(2)[:-4]], 3)]
+    finally:
+        eng.close()
+        sub.close()
+
+
+def replay(endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
+    """vLLM's replay protocol: send the start sequence; read until the -1 marker."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert sock.poll(5000), "replay did not finish"
+            empty, topic, seq, payload = sock.recv_multipart()
+            assert empty == b""
+            n = int.from_bytes(seq, "big", signed=True)
+            if n == -1:
+                assert topic == b"" and payload == b""
+                return out
+            out.append((topic, n, payload))
+    finally:
+        sock.close(linger=0)
+
+
+def test_replay_returns_missed_batches(events_daemon):
+    pub, rep = endpoints(events_daemon)
+    eng = Engine(events_daemon.socket)
+    sub = Sub(pub)
+    try:
+        live = []
+        for i in range(3):
+            eng.store([key(10 * i + j) for j in range(3)])
+            live.append(sub.recv())
+        assert [s for _, s, _ in live] == [0, 1, 2]
+        assert replay(rep, 1) == live[1:]  # byte for byte, topic and sequence included
+        assert replay(rep, 0) == live
+        assert replay(rep, 3) == []
+        assert events_daemon.status()["events"]["replay_requests"] == 3
+    finally:
+        eng.close()
+        sub.close()
+
+
+def test_flush_publishes_all_blocks_cleared(events_daemon, capsys):
+    pub, _ = endpoints(events_daemon)
+    eng = Engine(events_daemon.socket)
+    sub = Sub(pub)
+    try:
+        ks = [key(i) for i in range(4)]
+        eng.store(ks)
+        sub.recv()
+        # A lease keeps two blocks through the flush: they are announced again.
+        lk = eng.sched.request(m.Lookup(eng.sched.next_req(), ks[:2], lease_ms=30_000))
+        assert lk.hits == 2
+        assert ctl.main(["--socket", events_daemon.socket, "flush"]) == 0
+        topic, _, payload = sub.recv()
+        events = decode(payload).events
+        assert topic == TOPIC and events[0] == AllBlocksCleared()
+        assert sorted(h for e in events[1:] for h in e.block_hashes) == sorted(
+            published(k) for k in ks[:2])
+        assert all(isinstance(e, BlockStored) for e in events[1:])
+        eng.sched.request(m.Release(eng.sched.next_req(), lk.lease))
+        assert ctl.main(["--socket", events_daemon.socket, "flush"]) == 0
+        assert decode(sub.recv()[2]).events == [AllBlocksCleared()]
+    finally:
+        eng.close()
+        sub.close()
+        capsys.readouterr()
+
+
+def test_eviction_publishes_block_removed(daemon_factory, capsys):
+    d = daemon_factory(*EVENTS, "--pool-size", "2M", "--extent-size", "1M")
+    sub = Sub(endpoints(d)[0])
+    eng = Engine(d.socket)
+    try:
+        first = [key(i) for i in range(100)]
+        eng.store(first)
+        sub.recv()
+        r = eng.store([key(i) for i in range(100, 200)])  # ~170 slots: evicts the oldest
+        assert r.evicted
+        # Evicted at Allocate, stored when the copy is done: two loop iterations.
+        events = decode(sub.recv()[2]).events + decode(sub.recv()[2]).events
+        assert sub.quiet()
+        removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+        stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert sorted(removed) == sorted(published(k) for k in r.evicted)
+        assert all(e.medium == "CPU" for e in events if isinstance(e, BlockRemoved))
+        assert set(stored) == {published(key(i)) for i in range(100, 200)}
+        # Admin eviction of the tenant removes the rest (``--all`` is a flush).
+        assert ctl.main(["--socket", d.socket, "evict", "--tenant", "1"]) == 0
+        (ev,) = decode(sub.recv()[2]).events
+        assert isinstance(ev, BlockRemoved) and len(ev.block_hashes) == d.status()[
+            "counters"]["evicted_blocks"] - len(r.evicted)
+    finally:
+        eng.close()
+        sub.close()
+        capsys.readouterr()
+
+
+def test_stuck_subscriber_does_not_slow_stores(daemon_factory, tmp_path):
+    # ipc: small socket buffers, so a subscriber that never reads is full soon.
+    d = daemon_factory("--events-endpoint", f"ipc://{tmp_path}/events.ipc",
+                       "--events-hwm", "2", "--pool-size", "16M", "--extent-size", "1M")
+    pub, _ = endpoints(d)
+    stuck = Sub(pub, rcvhwm=1, rcvbuf=4096)  # connected, never reads
+    healthy = Sub(pub)
+    got: list[int] = []
+    stop = threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            if healthy.sock.poll(100):
+                got.append(int.from_bytes(healthy.sock.recv_multipart()[1], "big"))
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    eng = Engine(d.socket)
+    try:
+        worst = 0.0
+        for i in range(300):  # each store evicts and stores 512 blocks: ~5 KiB batches
+            t0 = time.monotonic()
+            eng.store([key(512 * i + j) for j in range(512)])
+            worst = max(worst, time.monotonic() - t0)
+            if i >= 10 and d.status()["events"]["dropped_batches"]:
+                break
+        st = d.status()["events"]
+        assert st["dropped_batches"] > 0, "the stuck subscriber never filled its queue"
+        assert worst < 2.0, f"a store took {worst:.2f} s with a stuck subscriber"
+        time.sleep(0.5)
+        # The healthy subscriber missed nothing: every sequence, in order.
+        assert got == list(range(st["next_seq"]))
+    finally:
+        stop.set()
+        reader.join(5)
+        eng.close()
+        stuck.close()
+        healthy.close()
+
+
+def test_off_by_default(daemon):
+    assert daemon.status()["events"] == {"enabled": False}
+
+
+def test_metrics_count_batches(daemon_factory):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemon_factory(*EVENTS, "--metrics-port", str(port))
+    eng = Engine(d.socket)
+    try:
+        eng.store([key(1)])
+        time.sleep(0.3)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b"kvd_event_batches_total 1.0" in text
+        assert b"kvd_event_batches_dropped_total 0.0" in text
+    finally:
+        eng.close()
+
+
+def test_batch_decodes_as_mirror_type():
+    """The mirror types round-trip (the e2e test decodes with vLLM's own)."""
+    b = KVEventBatch(1.5, [AllBlocksCleared(), BlockRemoved([1, 2], "CPU", 0)])
+    assert decode(msgspec.msgpack.encode(b)) == b
+
+
+def test_kvdctl_events_follows_the_stream(events_daemon, capsys):
+    import json
+
+    s = ["--socket", events_daemon.socket]
+    results: list[int] = []
+    t = threading.Thread(target=lambda: results.append(
+        ctl.main([*s, "events", "--json", "--count", "2"])))
+    t.start()
+    time.sleep(0.8)  # subscribed before the first batch
+    eng = Engine(events_daemon.socket)
+    try:
+        eng.store([key(1), key(2)])
+        assert ctl.main([*s, "flush"]) == 0
+        t.join(10)
+        assert results == [0]
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()
+                 if x.startswith("{\"topic")]
+        assert [(x["topic"], x["seq"], x["missed"]) for x in lines] == [
+            (TOPIC.decode(), 0, 0), (TOPIC.decode(), 1, 0)]
+        stored = lines[0]["events"][0]
+        assert stored["type"] == "BlockStored"
+        assert stored["block_hashes"] == [published(key(1)), published(key(2))]
+        assert lines[1]["events"] == [{"type": "AllBlocksCleared"}]
+    finally:
+        eng.close()
+
+
+def test_kvdctl_events_when_off(daemon, capsys):
+    assert ctl.main(["--socket", daemon.socket, "events"]) == 1
+    assert "events_endpoint" in capsys.readouterr().err
