@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -28,16 +28,32 @@ BELADY = "belady"
 NEVER = 1 << 62
 
 
+class TraceError(ValueError):
+    """The trace cannot be replayed (empty, not JSON lines, no ``hash_ids``); the
+    message names the file and the line."""
+
+
 @dataclass(frozen=True)
 class Trace:
-    """Requests as lists of 8-byte keys, plus their flat hash ids for Belady."""
+    """Requests as lists of 8-byte keys, plus their flat hash ids for Belady and their
+    timestamps (ms; the request's position when the trace has none)."""
 
     requests: list[list[bytes]]
     hash_ids: list[list[int]]
+    timestamps: list[float] = field(default_factory=list)
 
     @property
     def block_refs(self) -> int:
         return sum(map(len, self.requests))
+
+    def split(self) -> int:
+        """The first request of the second half by time: warm up on what comes before
+        it (and tune on it), report on what comes after."""
+        ts = self.timestamps or list(range(len(self.requests)))
+        if not ts:
+            return 0
+        mid = (ts[0] + ts[-1]) / 2
+        return next((i for i, t in enumerate(ts) if t >= mid and i > 0), len(ts))
 
 
 @dataclass(frozen=True)
@@ -50,20 +66,50 @@ class SimResult:
     hit_fraction: float
     evicted_blocks: int
     seconds: float
+    stored_blocks: int = 0  # write traffic: blocks copied into the cache
+    counted_from: int = 0  # requests before this one warmed the cache, uncounted
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def make_trace(hash_ids: Sequence[Sequence[int]]) -> Trace:
+def make_trace(hash_ids: Sequence[Sequence[int]],
+               timestamps: Sequence[float] | None = None) -> Trace:
     ids = [list(map(int, r)) for r in hash_ids]
-    return Trace([[h.to_bytes(8, "little") for h in r] for r in ids], ids)
+    return Trace([[h.to_bytes(8, "little") for h in r] for r in ids], ids,
+                 list(timestamps) if timestamps is not None else [])
 
 
 def load_trace(path: str) -> Trace:
-    """Read one JSON object per line, keeping each request's ``hash_ids``."""
-    with open(path, encoding="utf-8") as f:
-        return make_trace([json.loads(line)["hash_ids"] for line in f if line.strip()])
+    """Read one JSON object per line, keeping each request's ``hash_ids`` (and its
+    ``timestamp`` when every line has one). TraceError names the first bad line."""
+    ids: list[list[int]] = []
+    stamps: list[float] = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read the trace: {e.strerror or e}") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                hashes = row["hash_ids"]
+                if not isinstance(hashes, list) or not all(
+                        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64
+                        for h in hashes):
+                    raise TypeError("hash_ids must be a list of non-negative integers")
+            except (ValueError, KeyError, TypeError) as e:
+                what = "no hash_ids" if isinstance(e, KeyError) else str(e).splitlines()[0]
+                raise TraceError(f"{path}:{n}: not a Mooncake trace line ({what})") from None
+            ids.append(hashes)
+            t = row.get("timestamp")
+            stamps.append(float(t) if isinstance(t, (int, float)) else float("nan"))
+    if not ids:
+        raise TraceError(f"{path}: the trace is empty (no request lines)")
+    ordered = all(a <= b for a, b in zip(stamps, stamps[1:]))  # False with any NaN
+    return make_trace(ids, stamps if ordered else None)
 
 
 class BeladyPolicy(EvictionPolicy):
@@ -115,10 +161,13 @@ def next_uses(trace: Trace) -> list[int]:
     return nxt
 
 
-def replay(trace: Trace, capacity: int, policy: str, eager: bool = False) -> SimResult:
+def replay(trace: Trace, capacity: int, policy: str, eager: bool = False,
+           count_from: int = 0,
+           progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Replay ``trace`` through a fresh Index of ``capacity`` blocks. ``eager`` tells
     the policy about each lookup's hits at once (the index defers them; a test checks
-    that this changes nothing)."""
+    that this changes nothing). Requests before ``count_from`` only warm the cache:
+    the figures count the rest. ``progress(done, total)`` is called now and then."""
     tenants = Tenants()
     tenant = tenants.get_or_create("sim", model="sim", tp_size=1, rank_page_bytes=(SLOT_BYTES,))
     pol: EvictionPolicy
@@ -139,8 +188,16 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False) -> Sim
     # at the request that made them: a full hit makes no mutating call.
     flush = index.flush if begin is not None or eager else None
     offset = 0
+    total = len(trace.requests)
+    base = (0, 0, 0, 0)  # refs, hits, stores, evictions before count_from
+    every = max(1, total // 200) if progress is not None else total + 1
+    c = index.counters
     t0 = time.perf_counter()
-    for keys in trace.requests:
+    for n, keys in enumerate(trace.requests):
+        if n == count_from and n:
+            base = (offset, c.hit_blocks, c.stored_blocks, c.evicted_blocks)
+        if n % every == 0 and progress is not None:
+            progress(n, total)
         if begin is not None:
             begin(offset)
         offset += len(keys)
@@ -155,17 +212,23 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False) -> Sim
         if slots:
             store_done(np.array(slots, dtype=np.int64), 0)
     seconds = time.perf_counter() - t0
-    refs = offset
-    hit = index.counters.hit_blocks
+    if progress is not None:
+        progress(total, total)
+    if count_from >= total and total:
+        base = (offset, c.hit_blocks, c.stored_blocks, c.evicted_blocks)
+    refs = offset - base[0]
+    hit = c.hit_blocks - base[1]
     return SimResult(
         policy=policy,
         capacity=capacity,
-        requests=len(trace.requests),
+        requests=total - min(count_from, total),
         block_refs=refs,
         hit_blocks=hit,
         hit_fraction=round(hit / refs, 6) if refs else 0.0,
-        evicted_blocks=index.counters.evicted_blocks,
+        evicted_blocks=c.evicted_blocks - base[3],
         seconds=round(seconds, 4),
+        stored_blocks=c.stored_blocks - base[2],
+        counted_from=min(count_from, total),
     )
 
 

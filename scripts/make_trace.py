@@ -1,14 +1,20 @@
 """Generate synthetic Mooncake-format traces of other workload shapes, reproducibly.
 
-    .venv/bin/python scripts/make_trace.py {chat,sysprompt} OUT.jsonl [--requests N] [--seed S]
+    .venv/bin/python scripts/make_trace.py SHAPE OUT.jsonl [--requests N] [--seed S]
 
 ``chat``: multi-turn conversations (Zipf-popular, each on one of a few shared system
 prompts); a turn re-sends the whole history plus a new question, so a hit is the last
 turn's prefix, and some conversations are resumed much later. ``sysprompt``: many
 short one-shot requests behind a few Zipf-popular system prompts, with occasional
-long documents that are asked about again later. Block ids are prefix hashes (equal
-ids = equal prefix), 512-token blocks, as in the Mooncake release. The policies are
-judged on traces they were not tuned on; these are two such shapes.
+long documents that are asked about again later. ``docqa``: long documents, each asked
+many questions over a while, popular ones again much later. ``agent``: agent loops
+whose tool outputs grow the context step after step, several loops interleaved.
+``bursty``: chat sessions that send a burst of turns, go idle for a long while, and
+come back. ``convo``: conversations as in real chat logs (no shared prompt,
+long answers, heavy-tailed waits between turns). ``mix``: all of these interleaved in time, each in its own id space (as
+separate tenants would be). Block ids are prefix hashes (equal ids = equal prefix),
+512-token blocks, as in the Mooncake release; ``timestamp`` is in ms. The policies are
+judged on traces they were not tuned on; these are such shapes.
 """
 
 from __future__ import annotations
@@ -74,7 +80,124 @@ def sysprompt(n: int, rng: random.Random) -> list[list[int]]:
     return out
 
 
-SHAPES = {"chat": chat, "sysprompt": sysprompt}
+def docqa(n: int, rng: random.Random) -> list[list[int]]:
+    ch = _Chains()
+    sys_ = ch.extend([], [("sys", i) for i in range(2)])
+    docs: list[list[int]] = []
+    active: list[int] = []  # documents being asked about now
+    out = []
+    for r in range(n):
+        if not active or rng.random() < 0.12:
+            if docs and rng.random() < 0.3:  # an old document comes back
+                active.append(_zipf(rng, len(docs), 1.0))
+            else:
+                docs.insert(0, ch.extend(sys_, [("doc", r, i)
+                                                 for i in range(rng.randint(16, 160))]))
+                active = [a + 1 for a in active] + [0]
+            del active[:-24]  # a couple of dozen documents at once
+        d = docs[rng.choice(active)]
+        out.append(ch.extend(d, [("q", r, i) for i in range(rng.randint(1, 3))]))
+    return out
+
+
+def agent(n: int, rng: random.Random) -> list[list[int]]:
+    ch = _Chains()
+    tools = ch.extend([], [("tools", i) for i in range(6)])  # shared system + tool specs
+    loops: list[tuple[list[int], int]] = []  # context, steps left
+    out = []
+    for r in range(n):
+        if len(loops) < 8 or (len(loops) < 48 and rng.random() < 0.15):
+            loops.append((ch.extend(tools, [("task", r, i) for i in range(rng.randint(1, 4))]),
+                          rng.randint(4, 40)))
+        i = rng.randrange(len(loops))
+        ctx, left = loops[i]
+        out.append(ctx)
+        # the model's step and a tool output that grows as the loop goes on
+        grow = 1 + min(int(rng.expovariate(1 / 3)) + len(ctx) // 40, 24)
+        ctx = ch.extend(ctx, [("step", r, j) for j in range(grow)])
+        if left <= 1 or len(ctx) > 400:
+            loops.pop(i)
+        else:
+            loops[i] = (ctx, left - 1)
+    return out
+
+
+def bursty(n: int, rng: random.Random) -> tuple[list[list[int]], list[int]]:
+    """Returns rows and their timestamps (ms): sessions idle for minutes to hours."""
+    ch = _Chains()
+    sys_ = ch.extend([], [("sys", i) for i in range(3)])
+    sessions: list[list[int]] = []
+    wake: list[float] = []  # when each session sends its next burst
+    events: list[tuple[float, int]] = []
+    out, stamps = [], []
+    t = 0.0
+    while len(out) < n:
+        t += rng.expovariate(1 / 400.0)  # a new session every ~0.4 s
+        sessions.append(sys_)
+        wake.append(t)
+        events = [(w, i) for i, w in enumerate(wake) if w <= t]
+        for w, i in sorted(events):
+            for _ in range(rng.randint(1, 6)):  # a burst of turns
+                turn = ch.extend(sessions[i], [("t", len(out), j)
+                                               for j in range(rng.randint(1, 4))])
+                sessions[i] = ch.extend(turn, [("a", len(out))])
+                out.append(turn)
+                stamps.append(int(w))
+                w += rng.uniform(2_000, 20_000)
+            # idle: mostly minutes, sometimes an hour, sometimes never again
+            wake[i] = (float("inf") if rng.random() < 0.3
+                       else w + rng.expovariate(1 / (300_000 if rng.random() < 0.8
+                                                     else 3_600_000)))
+    order = sorted(range(len(out)), key=stamps.__getitem__)[:n]
+    return [out[i] for i in order], [stamps[i] for i in order]
+
+
+def convo(n: int, rng: random.Random) -> list[list[int]]:
+    """Multi-turn conversations as in real chat logs: no shared system prompt, long
+    answers join the history, a few openings paste a document, and the wait before the
+    next turn is heavy-tailed (most reply at once, some come back hours later)."""
+    ch = _Chains()
+    convs: list[list[int]] = []
+    due: list[tuple[int, int]] = []  # (request number of the next turn, conversation)
+    out = []
+    for r in range(n):
+        if due and due[0][0] <= r:
+            _, c = due.pop(0)
+        else:
+            first = rng.randint(1, 3) if rng.random() < 0.85 else rng.randint(8, 60)
+            convs.append(ch.extend([], [("open", r, i) for i in range(first)]))
+            c = len(convs) - 1
+        turn = ch.extend(convs[c], [("q", r, i) for i in range(rng.randint(1, 2))])
+        convs[c] = ch.extend(turn, [("a", r, i) for i in range(rng.randint(1, 4))])
+        out.append(turn)
+        if rng.random() < 0.75:  # another turn, after a Pareto-distributed wait
+            at = r + 1 + int(rng.paretovariate(0.7) * 5)
+            due.append((at, c))
+            due.sort()
+    return out
+
+
+def mix(n: int, rng: random.Random) -> tuple[list[list[int]], list[int]]:
+    """Each shape's own requests, interleaved at random, ids kept apart per shape."""
+    parts = [chat, sysprompt, docqa, agent, bursty, convo]
+    rows: list[tuple[float, list[int]]] = []
+    base = 0
+    for k, shape in enumerate(parts):
+        got = shape(n // len(parts), random.Random(rng.random()))
+        ids, stamps = got if isinstance(got, tuple) else (got, None)
+        span = max(stamps) if stamps else len(ids)
+        top = 0
+        for j, r in enumerate(ids):
+            at = (stamps[j] if stamps else j) / max(span, 1)
+            rows.append((at + 1e-9 * k, [base + h for h in r]))
+            top = max(top, max(r, default=0))
+        base += top + 1
+    rows.sort(key=lambda x: x[0])
+    return [r for _, r in rows], [int(a * 100 * n) for a, _ in rows]
+
+
+SHAPES = {"chat": chat, "convo": convo, "sysprompt": sysprompt, "docqa": docqa, "agent": agent,
+          "bursty": bursty, "mix": mix}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=6000)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
-    rows = SHAPES[args.shape](args.requests, random.Random(args.seed))
+    got = SHAPES[args.shape](args.requests, random.Random(args.seed))
+    rows, stamps = got if isinstance(got, tuple) else (got, [i * 100 for i in range(len(got))])
     with open(args.out, "w", encoding="utf-8") as f:
-        for i, ids in enumerate(rows):
-            f.write(json.dumps({"timestamp": i * 100, "input_length": 512 * len(ids),
+        for ids, at in zip(rows, stamps):
+            f.write(json.dumps({"timestamp": at, "input_length": 512 * len(ids),
                                 "output_length": 64, "hash_ids": ids}) + "\n")
     return 0
 

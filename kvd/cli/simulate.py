@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TextIO
 
 from kvd.core.policies.base import DEFAULT_POLICY, policy_names
-from kvd.sim import BELADY, SimResult, load_trace, replay
+from kvd.sim import BELADY, SimResult, TraceError, load_trace, replay
+
+LONG_REFS = 200_000  # block references from which a replay earns a progress bar
 
 
 def parse_capacities(values: Sequence[str]) -> list[int]:
@@ -39,21 +44,58 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help=f"policy name(s), comma-separated or repeated (default: {DEFAULT_POLICY}; "
         f"with several capacities, all + {BELADY})",
     )
+    p.add_argument(
+        "--second-half", action="store_true",
+        help="warm the cache on the first half of the trace by time and count only the "
+        "second half (tune on the first half, report on the second)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="PNG", help="write hit fraction vs capacity (sweep)")
     p.set_defaults(func=run)
 
 
-def table(results: Sequence[SimResult]) -> str:
-    """Hit fractions, one row per policy, one column per capacity."""
+def table(results: Sequence[SimResult], stored: bool = False) -> str:
+    """Hit fractions, one row per policy, one column per capacity; ``stored`` adds a
+    row of stored blocks (write traffic, thousands) under each policy's."""
     caps = sorted({r.capacity for r in results})
     pols = list(dict.fromkeys(r.policy for r in results))
-    frac = {(r.policy, r.capacity): r.hit_fraction for r in results}
+    by = {(r.policy, r.capacity): r for r in results}
     lines = ["policy    " + "".join(f"{c:>9}" for c in caps)]
     for p in pols:
-        cells = "".join(f"{frac[p, c]:>9.3f}" if (p, c) in frac else f"{'-':>9}" for c in caps)
+        cells = "".join(f"{by[p, c].hit_fraction:>9.3f}" if (p, c) in by else f"{'-':>9}"
+                        for c in caps)
         lines.append(f"{p:<10}{cells}")
+        if stored:
+            cells = "".join(f"{by[p, c].stored_blocks / 1000:>8.1f}k" if (p, c) in by
+                            else f"{'-':>9}" for c in caps)
+            lines.append(f"{'  stored':<10}{cells}")
     return "\n".join(lines)
+
+
+class Progress:
+    """A one-line bar on a terminal (stderr) for long replays; silent otherwise."""
+
+    def __init__(self, runs: int, out: TextIO = sys.stderr) -> None:
+        self.runs, self.run, self.out = runs, 0, out
+        self._last = 0.0
+
+    def for_run(self, label: str) -> Callable[[int, int], None]:
+        self.run += 1
+        run = self.run
+
+        def show(done: int, total: int) -> None:
+            now = time.monotonic()
+            if done < total and now - self._last < 0.1:
+                return
+            self._last = now
+            frac = done / total if total else 1.0
+            bar = "#" * int(frac * 30)
+            self.out.write(f"\r  [{bar:<30}] {frac:6.1%}  run {run}/{self.runs} {label}\x1b[K")
+            if done >= total and run == self.runs:
+                self.out.write("\r\x1b[K")
+            self.out.flush()
+
+        return show
 
 
 def plot(results: Sequence[SimResult], path: str, title: str = "") -> None:
@@ -80,7 +122,12 @@ def plot(results: Sequence[SimResult], path: str, title: str = "") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    caps = parse_capacities(args.capacity)
+    try:
+        caps = parse_capacities(args.capacity)
+    except ValueError:
+        print(f"kvdctl simulate: capacities must be whole numbers of blocks, "
+              f"not {', '.join(args.capacity)!r}", file=sys.stderr)
+        return 2
     pols = parse_policies(args.policy, sweep=len(caps) > 1)
     known = {*policy_names(), BELADY}
     unknown = [p for p in pols if p not in known]
@@ -88,8 +135,18 @@ def run(args: argparse.Namespace) -> int:
         what = f"unknown policy {unknown[0]!r}" if unknown else "capacities must be >= 1"
         print(f"kvdctl simulate: {what}; policies: {', '.join(sorted(known))}")
         return 2
-    trace = load_trace(args.trace)
-    results = [replay(trace, c, p) for p in pols for c in caps]
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as e:
+        print(f"kvdctl simulate: {e}", file=sys.stderr)
+        return 2
+    start = trace.split() if args.second_half else 0
+    bar = None
+    if sys.stderr.isatty() and trace.block_refs * len(pols) * len(caps) >= LONG_REFS:
+        bar = Progress(len(pols) * len(caps))
+    results = [replay(trace, c, p, count_from=start,
+                      progress=bar.for_run(f"{p} @ {c}") if bar else None)
+               for p in pols for c in caps]
     if args.json:
         out: object = results[0].as_dict() if len(results) == 1 else [r.as_dict() for r in results]
         print(json.dumps(out, indent=None if len(results) == 1 else 1))
@@ -97,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
         r = results[0]
         print(f"{r.policy} capacity={r.capacity} requests={r.requests} "
               f"block_refs={r.block_refs} hit_blocks={r.hit_blocks} "
-              f"hit_fraction={r.hit_fraction:.4f}")
+              f"hit_fraction={r.hit_fraction:.4f} stored_blocks={r.stored_blocks}")
     else:
-        print(table(results))
+        print(table(results, stored=True))
     if args.plot:
         plot(results, args.plot, title=args.trace.rsplit("/", 1)[-1])
     return 0

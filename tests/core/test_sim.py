@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,14 @@ from hypothesis import strategies as st
 
 from kvd.cli import simulate
 from kvd.core.policies import DEFAULT_POLICY, policy_names
-from kvd.sim import BELADY, load_trace, make_trace, replay
+from kvd.sim import BELADY, TraceError, load_trace, make_trace, replay
 
 # Capacity 4. r2 hits [1,2]; r3 fills the cache; r4 must evict two blocks; r5 asks
 # for [1,2] again. LRU evicts 1 and 2 (least recent); ARC, S3-FIFO and chain keep
 # the reused pair and drop the never-hit 3 and 4; Belady drops 3, 4 (never used).
 TINY = [[1, 2], [1, 2], [3, 4], [5, 6], [1, 2]]
-TINY_HITS = {"lru": 2, "arc": 4, "s3fifo": 4, "chain": 4, BELADY: 4}
+# adaptive follows LRU until its miniature simulations have seen enough to disagree.
+TINY_HITS = {"lru": 2, "arc": 4, "s3fifo": 4, "chain": 4, "adaptive": 2, BELADY: 4}
 
 
 @pytest.mark.parametrize("name", sorted(TINY_HITS))
@@ -83,7 +85,9 @@ def test_cli_sweep_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["policy", "2", "4", "8"]
-    assert {line.split()[0] for line in lines[1:]} == {*policy_names(), BELADY}
+    rows = [line for line in lines[1:] if not line.startswith("  stored")]
+    assert {line.split()[0] for line in rows} == {*policy_names(), BELADY}
+    assert len(lines) == 1 + 2 * len(rows)  # each policy's stored blocks under it
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -91,13 +95,72 @@ def test_cli_one_capacity_runs_the_default(tmp_path: Path, capsys: pytest.Captur
     path = _write(tmp_path, TINY)
     assert _run(["simulate", path, "--capacity", "4"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{DEFAULT_POLICY} capacity=4 ") and "hit_blocks=4 " in out
+    assert out.startswith(f"{DEFAULT_POLICY} capacity=4 ")
+    assert f"hit_blocks={TINY_HITS[DEFAULT_POLICY]} " in out
 
 
 def test_cli_rejects_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, TINY)
     assert _run(["simulate", path, "--capacity", "4", "--policy", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "empty"),
+    ("\n\n", "empty"),
+    ("not json\n", ":1: not a Mooncake trace line"),
+    ('{"hash_ids": [1, 2]}\n{"timestamp": 3}\n', ":2: not a Mooncake trace line (no hash_ids)"),
+    ('{"hash_ids": [1, "x"]}\n', ":1: not a Mooncake trace line (hash_ids must be"),
+    ('{"hash_ids": 7}\n', ":1: not a Mooncake trace line"),
+])
+def test_cli_refuses_an_empty_or_malformed_trace(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, why: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=re.escape(why)):
+        load_trace(str(path))
+    assert _run(["simulate", str(path), "--capacity", "4", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and why in captured.err
+
+
+def test_cli_refuses_a_missing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["simulate", str(tmp_path / "nope.jsonl"), "--capacity", "4"]) == 2
+    assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_second_half_counts_only_the_second_half_by_time() -> None:
+    # Times 0, 1, 2, 10, 11: the second half by time starts at t >= 5.5 (request 3).
+    t = make_trace([[1, 2], [1, 2], [3], [1, 2], [3, 4]], [0, 1, 2, 10, 11])
+    assert t.split() == 3
+    whole, second = replay(t, 10, "lru"), replay(t, 10, "lru", count_from=3)
+    assert (whole.hit_blocks, whole.stored_blocks) == (4 + 1, 4)
+    assert (second.requests, second.block_refs) == (2, 4)
+    assert (second.hit_blocks, second.stored_blocks) == (3, 1)
+
+
+def test_stored_blocks_are_the_write_traffic() -> None:
+    r = replay(make_trace(TINY), 4, "lru")
+    assert r.stored_blocks == r.block_refs - r.hit_blocks  # every miss is stored
+
+
+def test_progress_reaches_the_end() -> None:
+    seen: list[tuple[int, int]] = []
+    replay(make_trace(TINY * 50), 4, "lru", progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (250, 250) and seen[0] == (0, 250)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_progress_bar_draws_one_line_and_clears_it() -> None:
+    import io
+
+    out = io.StringIO()
+    bar = simulate.Progress(1, out)
+    show = bar.for_run("lru @ 4")
+    show(0, 10)
+    show(10, 10)
+    text = out.getvalue()
+    assert "100.0%" in text and "run 1/1 lru @ 4" in text and text.endswith("\r\x1b[K")
 
 
 @settings(max_examples=25, deadline=None)

@@ -8,8 +8,9 @@ As in vLLM, hits are applied tail to head, so a prefix's head ends most recent.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 
 from kvd.core.policies.base import EvictionPolicy, Key
 
@@ -38,6 +39,15 @@ class ARCPolicy(EvictionPolicy):
             self.target_t1 = max(self.target_t1 - delta, 0.0)
             del self.b2[key]
         self.t1[key] = None
+
+    def insert_many(self, keys: Sequence[Key], depth: int = 0, length: int = 0) -> None:
+        b1, b2 = self.b1, self.b2
+        if (b1 and any(map(b1.__contains__, keys))) or (b2 and any(map(b2.__contains__,
+                                                                       keys))):
+            for key in keys:
+                self.insert(key)
+        else:  # no ghost among them, the usual case: one C call
+            self.t1.update(dict.fromkeys(keys))
 
     def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
         t1, t2 = self.t1, self.t2
@@ -85,6 +95,23 @@ class ARCPolicy(EvictionPolicy):
         ghost[key] = None
         if len(ghost) > self.capacity:
             ghost.popitem(last=False)
+
+    def evicted_many(self, keys: Sequence[Key]) -> None:
+        # Each ghost FIFO gets its keys in order and keeps its newest ``capacity``, so
+        # trimming once at the end leaves what trimming after each key would.
+        t1 = self.t1
+        if all(map(t1.__contains__, keys)):
+            one, two = keys, ()
+        else:
+            one = [k for k in keys if k in t1]
+            two = [k for k in keys if k not in t1]
+        for src, ghost, ks in ((t1, self.b1, one), (self.t2, self.b2, two)):
+            if ks:
+                deque(map(src.__delitem__, ks), maxlen=0)
+                ghost.update(dict.fromkeys(ks))
+                over = len(ghost) - self.capacity
+                if over > 0:
+                    deque(map(ghost.popitem, repeat(False, over)), maxlen=0)
 
     def set_capacity(self, capacity: int) -> None:
         super().set_capacity(capacity)

@@ -71,6 +71,12 @@ class EvictionPolicy(ABC):
         policies override it only to do the same work faster."""
         deque(map(self.evicted, keys), maxlen=0)
 
+    def outvoted(self, keys: Sequence[Key]) -> None:
+        """``keys`` were evicted by another policy's choice (``adaptive`` keeps several
+        policies in step and lets one choose): forget them as ``evicted_many`` does,
+        but a policy whose state keys off its own victims may do otherwise."""
+        self.evicted_many(keys)
+
     def evict(self, n: int) -> list[Key]:
         """The ``n`` best victims, evicted; policies override it only to be faster."""
         keys = list(islice(self.victims(), n))
@@ -87,8 +93,9 @@ _REGISTRY: dict[str, str] = {
     "arc": "kvd.core.policies.arc:ARCPolicy",
     "s3fifo": "kvd.core.policies.s3fifo:S3FIFOPolicy",
     "chain": "kvd.core.policies.chain:ChainPolicy",
+    "adaptive": "kvd.core.policies.adaptive:AdaptivePolicy",
 }
-DEFAULT_POLICY = "chain"
+DEFAULT_POLICY = "adaptive"
 
 
 def register_policy(name: str, target: str) -> None:

@@ -193,6 +193,14 @@ class ChainPolicy(EvictionPolicy):
         self._forget(keys, top)
         return keys
 
+    def outvoted(self, keys: Sequence[Key]) -> None:
+        """Remembered as ghosts, but the clock stays: GreedyDual's floor rises to the
+        priority of its own victims, and another policy's victim may be one this one
+        values most, which would age everything else at once."""
+        if keys:
+            self._heap.discard_many(keys)
+            self._forget(keys, float("-inf"))
+
     def _forget(self, keys: Sequence[Key], top: float | None) -> None:
         """Evicted ``keys``, the highest of whose priorities was ``top``."""
         if top is None:

@@ -1,0 +1,147 @@
+"""The adaptive default: miniature simulations and following the best expert."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kvd.core.allocator import Allocator
+from kvd.core.index import NO_SLOT, Index
+from kvd.core.policies import make_policy
+from kvd.core.policies.adaptive import AdaptivePolicy
+from kvd.core.policies.base import EvictionPolicy
+from kvd.core.policies.shadow import MINI, key_hash, sample_shift
+from kvd.core.tenants import Tenants
+
+SLOT = 4096
+
+
+def _replay(policy: EvictionPolicy, requests: list[list[bytes]], splits: list | None = None
+            ) -> int:
+    """Prefix hits of ``requests`` through an Index, as the simulator counts them.
+    ``splits`` collects the requests whose stored blocks a cached key split in two."""
+    capacity = policy.capacity
+    tenant = Tenants().get_or_create("t", model="m", tp_size=1, rank_page_bytes=(SLOT,))
+    index = Index(Allocator(capacity * SLOT, SLOT, SLOT), policy)
+    for i, keys in enumerate(requests):
+        hits = index.lookup(tenant, keys)[0]
+        if hits < len(keys):
+            res = index.allocate(tenant, keys[hits:], depth=hits)
+            got = [s for s in res.slots if s != NO_SLOT]
+            if splits is not None and NO_SLOT in res.slots[:len(got) + 1]:
+                splits.append(i)
+            index.store_done(np.array(got, np.int64), 0)
+    index.flush()  # the policy hears of the last hits
+    return index.counters.hit_blocks
+
+
+def _only(name: str) -> type[AdaptivePolicy]:
+    return type(f"Only{name}", (AdaptivePolicy,), {"experts": (name,)})
+
+
+TRACES = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=8, unique=True),
+                  min_size=1, max_size=60)
+
+
+def _keys(trace: list[list[int]]) -> list[list[bytes]]:
+    return [[h.to_bytes(8, "little") for h in r] for r in trace]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "chain"])
+@settings(max_examples=30, deadline=None)
+@given(trace=TRACES, capacity=st.integers(1, 16))
+def test_with_one_expert_it_decides_as_that_expert(name: str, trace: list[list[int]],
+                                                   capacity: int) -> None:
+    requests = _keys(trace)
+    assert _replay(_only(name)(capacity), requests) == _replay(make_policy(name, capacity),
+                                                               requests)
+
+
+SHORT = st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=4, unique=True),
+                min_size=1, max_size=60)
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "chain"])
+@settings(max_examples=60, deadline=None)
+@given(trace=SHORT, capacity=st.integers(8, 16))
+def test_at_full_sampling_the_miniature_simulation_is_exact(
+        name: str, trace: list[list[int]], capacity: int) -> None:
+    """Below 2 * MINI blocks every key is sampled, and a shadow of the leading policy
+    then replays exactly what the live cache does: it scores the live hit count. (Where
+    one request's new blocks outnumber the room, the index and the shadow make room in
+    slightly different orders; requests here fit twice over. A cached key amid a
+    request's missed blocks splits its store in two runs, which the shadow replays one
+    after the other while the index made room for both at once: such traces are left
+    out.)"""
+    policy = _only(name)(capacity)
+    assert policy._shift == 0
+    splits: list[int] = []
+    hits = _replay(policy, _keys(trace), splits)
+    assume(not splits)
+    assert policy._shadows[0].hits == hits
+
+
+def test_the_sample_rate_leaves_a_miniature_cache_of_at_least_mini_blocks() -> None:
+    for capacity in (1, 100, 2 * MINI - 1, 2 * MINI, 5000, 80_000, 10**6):
+        shift = sample_shift(capacity)
+        assert capacity >> shift >= min(capacity, MINI)
+        assert shift == 0 or capacity >> (shift + 1) < MINI
+
+
+def test_the_sample_is_the_same_in_every_process() -> None:
+    # crc32, not hash(): bytes hashes are salted per process.
+    assert key_hash(b"\x00" * 8) == 0x6522DF69
+    assert key_hash((1, 2)) == hash((1, 2)) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- it follows the best
+def _chat(requests: int, rng: random.Random) -> list[list[bytes]]:
+    """Multi-turn chat with short turns: recency is what matters (LRU's home ground)."""
+    fresh = iter(range(10**9))
+    convs: list[list[int]] = []
+    out = []
+    for _ in range(requests):
+        if not convs or rng.random() < 0.3:
+            convs.append([next(fresh)])
+            c = len(convs) - 1
+        else:
+            c = len(convs) - 1 - min(len(convs) - 1, int(rng.expovariate(1 / 30)))
+        turn = convs[c] + [next(fresh) for _ in range(rng.randint(1, 4))]
+        convs[c] = turn + [next(fresh)]
+        out.append([h.to_bytes(8, "little") for h in turn])
+    return out
+
+
+def _docs_and_noise(requests: int, rng: random.Random) -> list[list[bytes]]:
+    """Long documents asked about again and again amid a stream of one-off prompts:
+    recency keeps the noise, a policy that values long reused chains keeps the docs."""
+    fresh = iter(range(10**9))
+    docs = [[next(fresh) for _ in range(40)] for _ in range(12)]
+    out = []
+    for _ in range(requests):
+        if rng.random() < 0.35:
+            d = docs[rng.randrange(len(docs))]
+            out.append(d + [next(fresh)])
+        else:
+            out.append([next(fresh) for _ in range(rng.randint(2, 30))])
+    return [[h.to_bytes(8, "little") for h in r] for r in out]
+
+
+@pytest.mark.parametrize("make, capacity, winner",
+                         [(_chat, 200, "lru"), (_docs_and_noise, 400, "arc")])
+def test_it_ends_up_following_the_expert_that_wins(make, capacity: int, winner: str) -> None:
+    """Two experts, and a trace each clearly wins: the leader is that one, and the live
+    cache scores about what the winner scores alone."""
+    trace = make(4000, random.Random(3))
+    alone = {n: _replay(make_policy(n, capacity), trace) for n in ("lru", "arc")}
+    refs = sum(map(len, trace))
+    assert max(alone, key=alone.__getitem__) == winner  # the trace is what it claims
+    assert abs(alone["lru"] - alone["arc"]) > 0.03 * refs
+    policy = type("LruOrArc", (AdaptivePolicy,), {"experts": ("lru", "arc")})(capacity)
+    hits = _replay(policy, trace)
+    assert policy.leader == winner
+    assert hits >= alone[winner] - 0.01 * refs
