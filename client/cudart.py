@@ -340,7 +340,7 @@ def load(api: CudaApi | None = None) -> CudaApi:
         api.init()
         why = version_refusal(api.driver_version(), api.runtime_version())
         if why:
-            raise CudaUnavailable(why)
+            raise CudaVersionMismatch(why)
         if api.device_count() < 1:
             raise CudaUnavailable("no CUDA device is visible")
     except CudaUnavailable:
@@ -352,6 +352,10 @@ def load(api: CudaApi | None = None) -> CudaApi:
 
 class CudaUnavailable(KvdClientError):
     """No driver, no device, or cuda-python missing: CUDA paths are off."""
+
+
+class CudaVersionMismatch(CudaUnavailable):
+    """A driver is there, but the bindings carry another CUDA major: an install to fix."""
 
 
 def gpu_available() -> bool:

@@ -21,7 +21,7 @@ import zmq
 from kvd.access import Peer
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
-from kvd.engines.cuda import ClientCopyEngine, CudaEngine
+from kvd.engines.cuda import ClientCopyEngine, gpu_path
 from kvd.engines.host import HostEngine
 from kvd.lifecycle import Lifecycle, ReloadFn
 from kvd.pinning import PoolPinner
@@ -100,15 +100,18 @@ class Server:
             os.chown(directory, -1, gid)
 
     def _start_cuda(self) -> None:
-        from kvd_client.cudart import CudaUnavailable, load
+        from kvd_client.cudart import CudaUnavailable, CudaVersionMismatch, load
 
         try:
             api = load()
+        except CudaVersionMismatch as e:  # a GPU node with the wrong install: say so loudly
+            log.warning("GPU data path off: %s", e)
+            return
         except CudaUnavailable as e:
             log.info("no GPU data path: %s", e)
             return
-        self.engines["cuda"] = CudaEngine(self._engine_done, api, on_waited=self._engine_waited)
-        self.pinner = PoolPinner(self.pool.base, self.pool.size, api)
+        self.engines["cuda"], self.pinner = gpu_path(self._engine_done, api, self.pool.array,
+                                                     on_waited=self._engine_waited)
         self.pinner.start()  # registers the pool in the background; unpinned until then
 
     def _extra_status(self) -> dict:

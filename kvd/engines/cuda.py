@@ -38,6 +38,7 @@ from kvd.engines.cuda_device import COPYING, FINISHED, QUEUED, Lane, Watchdog, W
 from kvd.engines.cuda_handles import (  # noqa: F401 - refuse_...: the service's import
     Client, Device, Handles, format_uuid, refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
+from kvd.pinning import PoolPinner
 from kvd_client.cudart import (ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES,
                                CudaApi, copy_runs)
 from kvd_client.runs import coalesce
@@ -375,3 +376,13 @@ class ClientCopyEngine(TransferEngine):
 
     def close(self) -> None:
         pass
+
+
+def gpu_path(on_done: DoneCallback, api: CudaApi, pool: np.ndarray, *,
+             on_waited: WaitedCallback | None = None) -> tuple[CudaEngine, PoolPinner]:
+    """The daemon's GPU data path over ``pool``: the engine and the pool's pinner, wired
+    so that stores are checksummed from the pool and no copy enters an unpinned chunk.
+    The caller starts the pinner (``start()``) and releases it after closing the engine."""
+    pinner = PoolPinner(pool.ctypes.data, pool.nbytes, api)
+    engine = CudaEngine(on_done, api, on_waited=on_waited, pool=pool, pinned=pinner.ready)
+    return engine, pinner

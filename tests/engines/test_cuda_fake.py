@@ -20,7 +20,8 @@ import pytest
 import xxhash
 
 from kvd.engines.base import ChecksumSpec, CopyJob
-from kvd.engines.cuda import ClientCopyEngine, CudaEngine, refuse_foreign_pid_namespace
+from kvd.engines.cuda import (ClientCopyEngine, CudaEngine, gpu_path,
+                              refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner, chunks
 from kvd_client.cuda import (ClientCopier, CudaExportRefused, EventRing, GpuTensor,
@@ -487,6 +488,35 @@ def test_d5_store_checksums_come_from_the_copied_bytes_on_the_completion_thread(
     assert job.checksums == want
     assert watched.readers and all(n.startswith("kvd-cuda-done-") for n in watched.readers)
     engine.close()
+
+
+def test_d5_d6_the_daemons_gpu_path_checksums_stores_and_waits_for_pinning(fake):
+    """What the daemon builds (``gpu_path``), not an engine wired by hand: until the
+    pinner registered the pool a store is refused BUSY; then its checksums come from the
+    pool. (Before, the daemon built its engine without the pool and without the pinner.)"""
+    pool = np.zeros(4096 * 16, np.uint8)
+    done: list = []
+    engine, pinner = gpu_path(collector(fake, done), fake, pool)
+    rig = Rig(fake, engine=engine, pin=False)
+    rig.pool = pool
+
+    def store(event: int) -> CopyJob:
+        job = rig.job(m.Direction.STORE, [3, 4], [5, 6], event=event)
+        job.checksum = ChecksumSpec(np.array([5 * 4096, 6 * 4096], np.int64), 4096)
+        engine.submit(job)
+        assert fake.wait_for(lambda: any(j.event == event for j, _ in done))
+        return job
+
+    store(1)
+    assert done[0][1].code == m.Code.BUSY and not fake.of("memcpy_batch")
+    pinner.start()
+    assert pinner.wait(5) and pinner.status()["state"] == "done"
+    job = store(2)
+    assert done[1][1] is None
+    assert job.checksums == [xxhash.xxh3_64_intdigest(rig.block_bytes(b, 0).tobytes())
+                             for b in (3, 4)]
+    engine.close()
+    pinner.release()
 
 
 def test_d5_verify_on_load_drops_corrupt_blocks_and_copies_nothing(fake):
