@@ -217,12 +217,15 @@ class KvdWorker(OffloadingWorker):
     def shutdown(self) -> None:
         log.info("kvd worker rank %d: %s; connection: %s", self.rank,
                  dict(sorted(self.boundary.counts.items())), self.conn.stats)
+        # The path first, while the connection still delivers the daemon's EventWaited
+        # and Done: a CUDA path keeps its events until the daemon passed every wait on
+        # them (bounded). Dones made up here below confirm nothing to the daemon's GPU.
+        self.path.close()
         self.conn.close()
         with self._cond:
             jobs = list(self._jobs)
         for j in jobs:
             self._on_done(m.Done(0, j, m.Code.CLIENT_GONE, "worker shut down"))
-        self.path.close()
 
 
 def _report_load_errors_through(worker: KvdWorker) -> None:

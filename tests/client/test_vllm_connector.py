@@ -36,7 +36,7 @@ from kvd_client.vllm.fingerprint import (  # noqa: E402
 )
 from kvd_client.vllm.manager import KvdManager  # noqa: E402
 from kvd_client.vllm.spec import KvdOptions, KvdSlots  # noqa: E402
-from kvd_client.vllm.worker import KvdWorker  # noqa: E402
+from kvd_client.vllm.worker import KvdWorker, _HostPath  # noqa: E402
 from kvd_proto.messages import HostRegion  # noqa: E402
 
 HIT, MISS, RETRY, PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
@@ -373,3 +373,23 @@ def test_root_hash_is_vllms_or_engine_private():
     seeded = compute_root_hash("xxhash", "e1", environ={"PYTHONHASHSEED": "7"})
     assert seeded == compute_root_hash("xxhash", "e2", environ={"PYTHONHASHSEED": "7"})
     assert seeded != compute_root_hash("xxhash", "e1", environ={"PYTHONHASHSEED": "8"})
+
+
+def test_worker_shutdown_closes_its_data_path_while_the_daemon_can_still_confirm(daemon):
+    """A CUDA path's ring may destroy its events only once the daemon confirmed its waits,
+    which arrive over the connection: the path closes before the connection does, and
+    not after Dones the worker made up itself."""
+    seen: dict[str, object] = {}
+
+    class Path(_HostPath):
+        def close(self) -> None:
+            seen["conn_up"] = worker.conn.up
+            seen["jobs_open"] = sorted(worker._jobs)
+
+    fp = make_fingerprint(FACTS, b"root")
+    caches, _ = kv_caches()
+    worker = KvdWorker(options(daemon.socket), fp, caches, rank=0,
+                       path=Path([t.tensor for t in caches.tensors]))
+    assert worker.conn.wait_up(10)
+    worker.shutdown()
+    assert seen == {"conn_up": True, "jobs_open": []}
