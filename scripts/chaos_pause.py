@@ -5,8 +5,9 @@ reused at once) serves several distinct prompts over ``--rounds`` rounds, resett
 own prefix cache between rounds, so every round stores into kvd and loads from it. Meanwhile
 the daemon is stopped with SIGSTOP for random pauses (default 0.2-2 s, longer than the
 connector's 400 ms ``transfer_timeout_ms``), now and then for longer than
-``call_timeout_ms`` (the client declares the connection lost and reconnects). Then a
-fresh engine loads every prompt from what kvd kept. Every output must equal vLLM's
+``call_timeout_ms`` (the client declares the connection lost and reconnects). The last
+round runs without pauses (the engine must have reconnected by itself). Then a fresh
+engine loads every prompt from what kvd kept. Every output must equal vLLM's
 without kvd, the daemon must stay healthy, and the fresh engine must load from kvd.
 
     python scripts/chaos_pause.py --rounds 50 [--json FILE]
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,15 +77,17 @@ class Pauser(threading.Thread):
     left stopped. Every ``long_every``-th pause outlasts ``call_timeout_ms``."""
 
     def __init__(self, pid: int, rng: random.Random, pause: tuple[float, float],
-                 long_pause: float, long_every: int = 5) -> None:
+                 long_pause: float, long_every: int = 5,
+                 calm: Callable[[], bool] = lambda: False) -> None:
         super().__init__(name="pauser", daemon=True)
         self.pid, self.rng, self.pause = pid, rng, pause
         self.long_pause, self.long_every = long_pause, long_every
+        self.calm = calm  # true once pausing should stop (the engine's last round)
         self.done = threading.Event()
         self.pauses: list[float] = []
 
     def run(self) -> None:
-        while not self.done.wait(self.rng.uniform(0.1, 1.0)):
+        while not self.done.wait(self.rng.uniform(0.1, 1.0)) and not self.calm():
             n = len(self.pauses) + 1
             seconds = (self.long_pause if n % self.long_every == 0
                        else self.rng.uniform(*self.pause))
@@ -123,7 +127,13 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
             proc = engine({"model": str(model), "llm": llm, "kv_transfer_config": ktc,
                            "steps": steps}, tmpdir / "paused.log")
             long_pause = OPTIONS["call_timeout_ms"] / 1000 * 2.5
-            pauser = Pauser(daemon.pid, random.Random(seed), pause, long_pause, long_every)
+            # The last round runs without pauses: the engine must have reconnected by
+            # itself and store again, so a fresh engine finds what it kept.
+            log = tmpdir / "paused.log"
+            calm = (lambda: log.read_text().count('"op": "generate"')
+                    >= (rounds - 1) * prompts)
+            pauser = Pauser(daemon.pid, random.Random(seed), pause, long_pause, long_every,
+                            calm)
             pauser.start()
             try:
                 paused = results(proc, tmpdir / "paused.log", 300 + 60 * rounds)
@@ -156,6 +166,7 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
         "daemon_healthy": healthy,
         "expired_transfers": status.get("counters", {}).get("expired_transfers", 0),
         "failed_transfers": status.get("counters", {}).get("failed_transfers", 0),
+        "stored_blocks": status.get("counters", {}).get("stored_blocks", 0),
         "loaded_blocks_fresh": counters.get("loaded_blocks", 0)
         - status.get("counters", {}).get("loaded_blocks", 0),
         "loaded_blocks": counters.get("loaded_blocks", 0),

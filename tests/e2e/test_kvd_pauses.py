@@ -21,8 +21,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_pauses_never_change_an_output(tiny_model):
-    out = chaos_pause.run(rounds=4, prompts=4, seed=1, model=tiny_model, long_every=2)
+    out = chaos_pause.run(rounds=5, prompts=4, seed=1, model=tiny_model, long_every=2)
     assert out["long_pauses"] >= 1 and out["pauses"] >= 3, out
-    assert out["differing_outputs"] == 0 and out["outputs"] == 16, out
+    assert out["differing_outputs"] == 0 and out["outputs"] == 20, out
     assert out["fresh_differing_outputs"] == 0 and out["daemon_healthy"], out
-    assert out["loaded_blocks_fresh"] > 0, out  # what was stored between pauses is served
+    assert out["loaded_blocks_fresh"] > 0, out  # the engine reconnected; kvd kept its stores
