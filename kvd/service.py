@@ -362,7 +362,7 @@ class Service:
         leases, pending = self.index.drop_owner(client.id)
         if client.tenant is not None:
             client.tenant.clients.discard(client.id)
-        if client.engine is not None and client.inflight == 0:
+        if client.engine is not None:  # fails what is queued; closes after the copies
             client.engine.detach(client.id)
         log.info("client %d (pid %d) gone: released %d leases, %d pending blocks",
                  client.id, client.pid, leases, pending)

@@ -109,7 +109,9 @@ class TransferEngine(ABC):
         return [r.base for r in reg.host_regions]
 
     def detach(self, client: int) -> None:
-        """The client is gone and its copies drained: close what ``attach`` opened."""
+        """The client is gone: fail what is queued for it and close what ``attach``
+        opened once its copies in flight drained. Called as soon as the client is gone,
+        copies in flight or not, and maybe again once they drained (idempotent)."""
 
     @abstractmethod
     def submit(self, job: CopyJob) -> None: ...

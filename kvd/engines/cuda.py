@@ -76,6 +76,7 @@ class CudaEngine(TransferEngine):
         self._devices: dict[bytes, Device] = {}
         self._clients: dict[int, Client] = {}
         self._gone: set[Client] = set()  # detached, handles not closed yet
+        self._retiring: set[Lane] = set()  # lanes of gone clients, ending by themselves
         self._handles = Handles(api)
         self._watchdog = Watchdog(self._expire)
 
@@ -175,19 +176,34 @@ class CudaEngine(TransferEngine):
             w.state = FINISHED
         return out
 
-    def _maybe_release(self, c: Client) -> None:
-        """Once a gone client has no copies on the GPU: end its lane, close its handles.
-        Never joins: the lane's submit thread may still be blocked on the client's event
-        (it finds nothing left to do when that returns)."""
+    def _maybe_release(self, c: Client, wait: float = 0.0) -> None:
+        """Once a gone client has no copies on the GPU: end its lane, then close its
+        handles. Without ``wait`` it never joins: the lane's submit thread may still be
+        blocked on the client's event, and the lane frees itself and the handles once
+        that returned. With ``wait`` (shutdown) it joins the lane that long."""
         with self._lock:
             if not c.gone or c.copying or c.released:
                 return
             c.released = True
             lane, c.lane = c.lane, None
-        if lane is not None:
-            lane.todo.put(None)
-            self._log_errors(c.device, lane.destroy())
+        if lane is None:
+            self._retired(c, [])
+        elif wait:
+            if lane.stop(wait):
+                self._retired(c, lane.destroy())
+            else:
+                log.warning("GPU %s: the store lane of pid %d is still blocked on its "
+                            "event; its handles stay open", format_uuid(c.device.uuid), c.pid)
+        else:
+            with self._lock:
+                self._retiring.add(lane)
+            lane.retire(lambda errors: self._retired(c, errors, lane))
+
+    def _retired(self, c: Client, errors: list[Exception], lane: Lane | None = None) -> None:
+        """The gone client's lane threads ended: close its handles (events included)."""
+        self._log_errors(c.device, errors)
         with self._lock:
+            self._retiring.discard(lane)  # type: ignore[arg-type]
             self.api.set_current_context(c.device.ctx)
             self._release(c)
 
@@ -347,7 +363,12 @@ class CudaEngine(TransferEngine):
                 log.warning("GPU %s: copies of pid %d did not complete before the daemon "
                             "stopped; its handles stay open", format_uuid(c.device.uuid), c.pid)
             else:
-                self._maybe_release(c)
+                self._maybe_release(c, wait=STOP_SECONDS)
+        with self._lock:
+            retiring = list(self._retiring)
+        for lane in retiring:  # they release their handles before the contexts go
+            for t in lane.threads:
+                t.join(STOP_SECONDS)
         for dev in self._devices.values():
             if drained and dev.loads is not None and dev.loads.stop(STOP_SECONDS):
                 self._log_errors(dev, dev.loads.destroy())

@@ -56,6 +56,7 @@ class Lane:
         self.todo: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[Work, int] | None] = queue.SimpleQueue()
         self._free: list[int] = []
+        self._retired: Callable[[list[Exception]], None] | None = None
         self.threads = [threading.Thread(target=self._submit, name=f"kvd-cuda-{name}",
                                          daemon=True),
                         threading.Thread(target=self._complete, daemon=True,
@@ -86,6 +87,16 @@ class Lane:
             except Exception as e:  # noqa: BLE001 - the copy failed on the device
                 err = e
             self._end(work, err)
+        if self._retired is not None:  # the last user of the stream and events is gone
+            self._retired(self.destroy())
+
+    def retire(self, then: Callable[[list[Exception]], None]) -> None:
+        """End the lane without waiting: its threads finish what they hold (the submit
+        thread may be blocked on a client's event), then the completion thread frees the
+        stream and events and calls ``then(errors)``. Nothing is freed under a thread
+        still using it."""
+        self._retired = then
+        self.todo.put(None)
 
     def stop(self, timeout: float) -> bool:
         """Let queued work drain, end both threads; True when they ended in time."""

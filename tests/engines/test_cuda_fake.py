@@ -256,6 +256,7 @@ def test_handles_open_once_and_close_once_after_copies_drain(fake):
     assert rig.wait_done()
     rig.engine.detach(7)
     rig.engine.detach(8)
+    assert fake.wait_for(lambda: fake.of("ipc_close_mem_handle"))  # as its lane ends
     assert len(fake.of("ipc_close_mem_handle")) == 1
     assert fake.names("on_done", "ipc_close_mem_handle") == ["on_done", "ipc_close_mem_handle"]
     imported = {c[3] for c in fake.of("ipc_open_event_handle")}
@@ -370,11 +371,16 @@ def test_d3_a_gone_clients_queued_jobs_fail_before_their_wait(fake):
     assert rig.wait_done(2, timeout=3)
     assert {j.event: e.code for j, e in rig.done} == {1: m.Code.CLIENT_GONE,
                                                       2: m.Code.CLIENT_GONE}
+    # The lane's submit thread is still blocked on the client's event: nothing it uses
+    # (its stream, its gate event, the client's handles) may be freed under it yet.
+    time.sleep(0.05)
+    assert not fake.of("stream_destroy") and not fake.of("ipc_close_mem_handle")
     gate.set()
     gate2.set()
     assert fake.idle()
+    assert fake.wait_for(lambda: fake.of("ipc_close_mem_handle"))  # once it returned
+    assert len(fake.of("stream_destroy")) == 1
     assert len(fake.of("stream_wait_event")) == 1 and not copies_of(fake, rig)
-    assert fake.of("ipc_close_mem_handle")  # nothing was on the GPU: closed at once
     rig.engine.close()
 
 
