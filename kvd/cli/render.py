@@ -6,6 +6,7 @@ from the same few functions and the JSON schema stays the daemon's own.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 
@@ -37,6 +38,12 @@ def tenants_table(tenants: list[dict[str, Any]]) -> str:
     return table([[t["id"], t["model"], t["tp_size"], size(t["slot_bytes"]), t["blocks"],
                    size(t["bytes"]), t["clients"], t.get("digest", "")] for t in tenants],
                  ["TENANT", "MODEL", "TP", "BLOCK", "BLOCKS", "BYTES", "CLIENTS", "DIGEST"])
+
+
+def by_kind(clients: list[dict[str, Any]]) -> str:
+    """`` (scheduler 1, worker0 1, admin 1)``: engines told apart from kvdctl itself."""
+    kinds = Counter(c.get("kind", "-") for c in clients)
+    return f" ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})" if kinds else ""
 
 
 def clients_table(clients: list[dict[str, Any]]) -> str:
@@ -77,7 +84,7 @@ def status_text(st: dict[str, Any]) -> str:
         f"loaded {c['loaded_blocks']} ({size(c['loaded_bytes'])})  "
         f"evicted {c['evicted_blocks']}",
         f"errors   {c['errors']}" + (f" ({errors})" if errors else ""),
-        f"clients  {len(st['clients'])}  tenants {len(st['tenants'])}"
+        f"clients  {len(st['clients'])}{by_kind(st['clients'])}  tenants {len(st['tenants'])}"
         + (f"  metrics {st['metrics']}" if st.get("metrics") else ""),
     ]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import queue
 import threading
@@ -43,10 +44,13 @@ for _f in (_vm_readv, _vm_writev):
 
 
 def vm_copy(direction: Direction, pid: int, pool: np.ndarray, remote: np.ndarray,
-            lengths: np.ndarray) -> int:
+            lengths: np.ndarray, deadline: float = math.inf) -> int:
     """Copy one batch (any size) between this process's pool and ``pid``; returns bytes.
 
-    Raises TransferError with a code saying why (permission, process gone, bad address).
+    ``deadline`` (time.monotonic()) is checked right before each system call, so what
+    separates the check from the copy is a few Python operations, not the array work.
+    Raises TransferError with a code saying why (permission, process gone, bad address,
+    deadline passed).
     """
     fn = _vm_readv if direction == Direction.STORE else _vm_writev
     n = len(lengths)
@@ -60,6 +64,9 @@ def vm_copy(direction: Direction, pid: int, pool: np.ndarray, remote: np.ndarray
     for lo in range(0, n, IOV_MAX):
         hi = min(n, lo + IOV_MAX)
         want = int(lengths[lo:hi].sum())
+        if time.monotonic() > deadline:
+            raise TransferError(f"deadline passed before the copy of {want} bytes could "
+                                f"start ({done} bytes of this chunk copied)", Code.EXPIRED)
         got = fn(pid, local[lo:].ctypes.data, hi - lo, far[lo:].ctypes.data, hi - lo, 0)
         if got < 0:
             raise _os_error(ctypes.get_errno(), pid)
@@ -175,7 +182,8 @@ class HostEngine(TransferEngine):
             elif err is None and chunk.hi > chunk.lo:
                 try:
                     vm_copy(job.direction, job.pid, job.pool[chunk.lo:chunk.hi],
-                            job.remote[chunk.lo:chunk.hi], job.lengths[chunk.lo:chunk.hi])
+                            job.remote[chunk.lo:chunk.hi], job.lengths[chunk.lo:chunk.hi],
+                            job.deadline)
                 except Exception as e:  # noqa: BLE001 - reported to the client as Done
                     err = e
             with self._lock:

@@ -171,6 +171,28 @@ def test_without_a_done_the_client_gives_up_only_after_deadline_plus_grace(daemo
         c.close()
 
 
+def test_a_late_done_on_the_same_connection_is_ignored(daemon, paused):
+    """The connection stays up (a pause shorter than call_timeout) but longer than
+    deadline + grace: the client ends the Transfer itself, then the daemon wakes up and
+    sends its own Done on the same connection, which must not end it a second time."""
+    c = Client(daemon.socket, transfer_timeout=0.3, timeout=5.0, ping_interval=5.0)
+    try:
+        k = keys(b"D", 2)
+        c.store(k, [0, 1], event=1)
+        hit = c.call(m.Lookup, keys=k)
+        paused()
+        c.transfer(4, m.Direction.LOAD, [24, 25], unpack_u32(hit.slots))
+        at, done = c.wait_done(4, timeout=5)
+        assert done.code == m.Code.EXPIRED and c.conn.up
+        os.kill(daemon.pid, signal.SIGCONT)
+        assert c.call(m.Lookup, keys=k).hits == 2  # the daemon ran its backlog
+        time.sleep(0.2)
+        assert len(c.dones_of(4)) == 1
+        assert daemon.status()["counters"]["expired_transfers"] == 1, str(daemon.status()["counters"])
+    finally:
+        c.close()
+
+
 def test_a_daemon_that_dies_ends_transfers_at_once(daemon, paused):
     c = Client(daemon.socket, transfer_timeout=30)
     try:
@@ -239,3 +261,25 @@ def test_give_up_and_late_follow_the_protocol_grace():
     assert late(job, 100.01 + GRACE_S).code == m.Code.EXPIRED
     job.direction = m.Direction.LOAD  # a load's late end cannot be undone: not "late"
     assert late(job, 1e9) is None
+
+
+def test_vm_copy_checks_the_deadline_before_each_system_call():
+    """The check sits right before each system call (a batch longer than IOV_MAX
+    segments takes several): past the deadline nothing is written."""
+    from kvd.engines.host import IOV_MAX, vm_copy
+
+    n = IOV_MAX + 8
+    pool = np.zeros(n * 64, np.uint8)
+    target = np.zeros(n * 64, np.uint8)
+    pool[:] = 7
+    offsets = np.arange(n, dtype=np.uint64) * np.uint64(64)
+    lengths = np.full(n, 64, np.uint64)
+    with pytest.raises(Exception) as err:
+        vm_copy(m.Direction.LOAD, os.getpid(), np.uint64(pool.ctypes.data) + offsets,
+                np.uint64(target.ctypes.data) + offsets, lengths, time.monotonic() - 1)
+    assert err.value.code == m.Code.EXPIRED and not target.any()
+    # With time left it copies every segment (the same call, the deadline ahead).
+    assert vm_copy(m.Direction.LOAD, os.getpid(), np.uint64(pool.ctypes.data) + offsets,
+                   np.uint64(target.ctypes.data) + offsets, lengths,
+                   time.monotonic() + 60) == n * 64
+    assert (target == 7).all()

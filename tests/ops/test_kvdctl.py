@@ -65,9 +65,20 @@ def test_every_command_with_json(busy_daemon, capsys):
     assert len(tenants) == 1
     assert set(tenants[0]) >= {"id", "model", "tp_size", "slot_bytes", "blocks", "bytes",
                                "clients", "digest"}
-    clients = run_json(capsys, *s, "clients")["clients"]
+    worker = Worker(Spec(busy_daemon.socket))  # an engine's worker, rank 0
+    try:
+        clients = run_json(capsys, *s, "clients")["clients"]
+        rc, out, _ = run(capsys, *s, "status")
+    finally:
+        worker.close()
     sched = next(c for c in clients if c["name"] == "sched")
-    assert set(sched) >= {"id", "pid", "name", "tenant", "rank", "inflight", "requests"}
+    assert set(sched) >= {"id", "pid", "name", "tenant", "rank", "inflight", "requests",
+                          "kind"}
+    # Engines told apart from kvdctl's own connection.
+    kinds = {c["name"]: c["kind"] for c in clients}
+    assert kinds["sched"] == "scheduler" and kinds["worker-r0"] == "worker0", clients
+    assert kinds["kvdctl"] == "admin", clients
+    assert "scheduler 1" in out and "worker0 1" in out and "admin " in out, out
 
     cfg = run_json(capsys, *s, "config")
     assert cfg["socket"] == {"value": busy_daemon.socket, "origin": "flag"}
