@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from kvd.events import BatchBuilder, KVEventBatch, TenantInfo, node_name, topic_for
+from kvd.events import (AllBlocksCleared, BatchBuilder, KVEventBatch, TenantInfo, node_name,
+                        topic_for)
 
 log = logging.getLogger("kvd.publisher")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -185,6 +186,10 @@ class KvEvents:
         self.on_pending: Callable[[], None] | None = None
         self._encode = msgspec.msgpack.Encoder().encode
         self._topics: dict[int, bytes] = {}
+        # Topics this daemon has spoken on since it started: the first batch on a topic
+        # opens with AllBlocksCleared, so a router drops what an earlier daemon on this
+        # node announced (a restart without --persist keeps nothing of it).
+        self._opened: set[bytes] = set()
 
     def add(self, events: list[tuple]) -> None:
         if not events:
@@ -208,8 +213,15 @@ class KvEvents:
         if not by_tenant:
             return
         ts = time.time()
-        self.publisher.publish([(self._topic(tid), self._encode(KVEventBatch(ts, evs)),
-                                 len(evs)) for tid, evs in by_tenant.items()])
+        batches = []
+        for tid, evs in by_tenant.items():
+            topic = self._topic(tid)
+            if topic not in self._opened:
+                self._opened.add(topic)
+                if not isinstance(evs[0], AllBlocksCleared):
+                    evs.insert(0, AllBlocksCleared())
+            batches.append((topic, self._encode(KVEventBatch(ts, evs)), len(evs)))
+        self.publisher.publish(batches)
 
     def _topic(self, tenant_id: int) -> bytes:
         t = self._topics.get(tenant_id)

@@ -112,8 +112,11 @@ def test_framing_sequence_and_layout(events_daemon):
         raw = msgspec.msgpack.decode(payload)
         assert isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], float)
         assert raw[2] is None
-        assert [e["type"] for e in raw[1]] == ["BlockStored"]
-        (ev,) = decode(payload).events
+        # A daemon's first batch on a topic opens with AllBlocksCleared: a router drops
+        # what an earlier daemon on this node announced (it kept nothing of it).
+        assert [e["type"] for e in raw[1]] == ["AllBlocksCleared", "BlockStored"]
+        cleared, ev = decode(payload).events
+        assert cleared == AllBlocksCleared()
         assert ev == BlockStored(block_hashes=[published(k) for k in ks[:4]],
                                  parent_block_hash=None, token_ids=[], block_size=16,
                                  lora_id=None, medium="CPU", lora_name=None, group_idx=0)
@@ -145,7 +148,8 @@ def test_raw_hashes_and_topic_template(daemon_factory):
         events = decode(payload).events
         assert topic == b"kvd/n1/1"
         # A group change starts a new event; hashes travel as the raw bytes.
-        assert [(e.block_hashes, e.group_idx) for e in events] == [
+        assert events[0] == AllBlocksCleared()  # the daemon's first batch on this topic
+        assert [(e.block_hashes, e.group_idx) for e in events[1:]] == [
             ([key(1)[:-4]], 0), ([key(2)[:-4]], 3)]
     finally:
         eng.close()
@@ -336,7 +340,8 @@ def test_kvdctl_events_follows_the_stream(events_daemon, capsys):
                  if x.startswith("{\"topic")]
         assert [(x["topic"], x["seq"], x["missed"]) for x in lines] == [
             (TOPIC.decode(), 0, 0), (TOPIC.decode(), 1, 0)]
-        stored = lines[0]["events"][0]
+        assert lines[0]["events"][0] == {"type": "AllBlocksCleared"}  # first on its topic
+        stored = lines[0]["events"][1]
         assert stored["type"] == "BlockStored"
         assert stored["block_hashes"] == [published(key(1)), published(key(2))]
         assert lines[1]["events"] == [{"type": "AllBlocksCleared"}]
