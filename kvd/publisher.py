@@ -214,13 +214,19 @@ class KvEvents:
             return
         ts = time.time()
         batches = []
+        cleared: set[bytes] = set()  # one clear per topic: tenants may share a topic
         for tid, evs in by_tenant.items():
             topic = self._topic(tid)
             if topic not in self._opened:
                 self._opened.add(topic)
                 if not isinstance(evs[0], AllBlocksCleared):
                     evs.insert(0, AllBlocksCleared())
-            batches.append((topic, self._encode(KVEventBatch(ts, evs)), len(evs)))
+            if isinstance(evs[0], AllBlocksCleared):
+                if topic in cleared:  # would wipe what the other tenant just announced
+                    evs = evs[1:]
+                cleared.add(topic)
+            if evs:
+                batches.append((topic, self._encode(KVEventBatch(ts, evs)), len(evs)))
         self.publisher.publish(batches)
 
     def _topic(self, tenant_id: int) -> bytes:
