@@ -88,7 +88,12 @@ class Service:
                 raise  # the server answers with an INTERNAL Error
             log.exception("internal error on a Transfer")
             reply = self.transfers.done(client, msg, KvdError(f"internal error: {e}"))
-        self._journal()  # journaled before the reply leaves
+        try:
+            self._journal()  # journaled before the reply leaves
+        except Exception:  # noqa: BLE001 - never turn a reply into an Error here: a
+            # Transfer already handed to an engine must keep its one Done from the engine
+            log.exception("writing the journal / KV events failed")
+            self.counters.error(m.Code.INTERNAL)
         return reply
 
     @property

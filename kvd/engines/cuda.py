@@ -49,6 +49,9 @@ MAX_EVENTS = 4096  # event-ring entries one client may register
 STOP_SECONDS = 30.0  # how long close() waits for copies in flight
 
 WaitedCallback = Callable[[CopyJob], None]
+# Loads with copies on the GPU at once, per device: the deadline of the next one is
+# checked only once these completed, so a stalled GPU cannot run it long after its check.
+LOAD_DEPTH = 1
 PinnedCheck = Callable[[int, int], bool]  # (lowest address, end) -> copies may be issued
 
 
@@ -253,6 +256,8 @@ class CudaEngine(TransferEngine):
             return None  # failed while queued (deadline, detach, close)
         try:
             err = self._gate(work, lane) if store else verify_then(job, self.pool)
+            if not store:  # a load's bytes cannot be taken back: no backlog ahead of it
+                lane.wait_room(LOAD_DEPTH, job.deadline)
             err = err or expired(job)
             if err is None and not self._claim(work):
                 return None  # failed meanwhile (deadline, detach, close)

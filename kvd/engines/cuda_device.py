@@ -57,6 +57,8 @@ class Lane:
         self._done: queue.SimpleQueue[tuple[Work, int] | None] = queue.SimpleQueue()
         self._free: list[int] = []
         self._retired: Callable[[list[Exception]], None] | None = None
+        self._outstanding = 0  # works whose copies are enqueued and not completed
+        self._cv = threading.Condition()
         self.threads = [threading.Thread(target=self._submit, name=f"kvd-cuda-{name}",
                                          daemon=True),
                         threading.Thread(target=self._complete, daemon=True,
@@ -73,6 +75,8 @@ class Lane:
         while (work := self.todo.get()) is not None:
             ev = self._start(work, self)
             if ev is not None:
+                with self._cv:
+                    self._outstanding += 1
                 self._done.put((work, ev))
         self._done.put(None)
 
@@ -86,9 +90,20 @@ class Lane:
                 self._free.append(ev)
             except Exception as e:  # noqa: BLE001 - the copy failed on the device
                 err = e
+            with self._cv:
+                self._outstanding -= 1
+                self._cv.notify_all()
             self._end(work, err)
         if self._retired is not None:  # the last user of the stream and events is gone
             self._retired(self.destroy())
+
+    def wait_room(self, depth: int, until: float) -> None:
+        """On the submit thread: wait until fewer than ``depth`` works have copies on
+        the GPU, or ``until`` (time.monotonic()) passed. Loads use it so that a deadline
+        checked after it is checked close to when the copy runs, not behind a backlog."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._outstanding < depth,
+                              max(0.0, min(until, time.monotonic() + 3600) - time.monotonic()))
 
     def retire(self, then: Callable[[list[Exception]], None]) -> None:
         """End the lane without waiting: its threads finish what they hold (the submit

@@ -769,3 +769,23 @@ def test_pinning_without_cuda_is_unavailable():
 def test_chunks_cover_the_range():
     assert chunks(100, 10, 4) == [(100, 4), (104, 4), (108, 2)]
     assert chunks(0, 200 << 30, 1 << 40)[0] == (0, 64 << 30)
+
+
+def test_d4_a_load_behind_a_stalled_copy_is_checked_when_it_can_run_not_before(fake):
+    """The load lane holds no backlog: a load queued behind a copy the GPU has not
+    finished (a stall) is checked against its deadline once that copy completed, so it
+    never runs on the GPU long after its check (a load's bytes cannot be taken back)."""
+    rig = Rig(fake)
+    load_lane = rig.lanes()[0]
+    hold = fake.launch(load_lane)  # the GPU stalls ahead of the load lane's copies
+    rig.engine.submit(rig.job(m.Direction.LOAD, [1], [1], event=1))
+    assert fake.wait_for(lambda: len(copies_of(fake, rig)) == 1)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [2], [2], event=2,
+                              deadline=time.monotonic() + 0.2))
+    time.sleep(0.4)  # past the second load's deadline while the first is still stalled
+    assert len(copies_of(fake, rig)) == 1  # the second was not enqueued behind it
+    hold.set()
+    assert rig.wait_done(2)
+    assert rig.err(1) is None and rig.err(2).code == m.Code.EXPIRED
+    assert len(copies_of(fake, rig)) == 1
+    rig.engine.close()
