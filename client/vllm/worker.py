@@ -85,7 +85,11 @@ def data_path_for(tensors: Sequence[Any]) -> _HostPath | CudaPath | ClientCopyPa
         return _HostPath(tensors)
     from kvd_client.cuda import gpu_tensors  # noqa: PLC0415 - CUDA stays lazy
 
-    return cuda_data_path([g for t in tensors for g in gpu_tensors(t)])
+    try:
+        described = [g for t in tensors for g in gpu_tensors(t)]
+    except ValueError as e:  # a layout kvd cannot describe: serve without offloading
+        return f"the KV tensors cannot be described for kvd: {e}"
+    return cuda_data_path(described)
 
 
 @dataclass(slots=True)

@@ -181,3 +181,41 @@ def test_the_batched_copy_passes_the_12_8_abi():
                np.array([4096, 512], np.uint64), 3, 0x5000)
     assert got == {"dsts": [7, 9], "sizes": [4096, 512], "order": 3, "idx": 0, "nattrs": 1,
                    "stream": 0x5000}
+
+
+class _DriverAnswers(CudaBindings):
+    """The real bindings, except that the first call of a chain answers what a driver
+    would have (a device handle, a driver version): without a driver that first call
+    fails, and the calls behind it (cuDeviceGetUuid, cuDevicePrimaryCtxRetain/Release,
+    cuGetProcAddress) would never meet the bindings."""
+
+    def _device(self, ordinal: int) -> Any:
+        return self._drv.CUdevice(ordinal)
+
+    def driver_version(self) -> int:
+        return 12090
+
+
+@pytest.mark.parametrize("name,args", [
+    ("device_uuid", (0,)), ("retain_primary_context", (0,)),
+    ("release_primary_context", (0,)), ("has_batch_copy", ()),
+])
+def test_calls_behind_the_first_one_of_a_chain_take_kvds_arguments(name, args):
+    try:
+        getattr(_DriverAnswers(), name)(*args)
+    except CudaError:
+        pass
+    except (TypeError, AttributeError, ValueError, OverflowError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the driver API without a driver
+        if not _driver_missing(e):
+            raise
+
+
+def test_the_chain_check_would_see_a_wrong_type():
+    from cuda.bindings import driver
+
+    with pytest.raises(TypeError):
+        driver.cuDevicePrimaryCtxRetain("device 0")
+    with pytest.raises(TypeError):
+        driver.cuGetProcAddress(b"cuMemcpyBatchAsync", "12080", 0)
