@@ -272,14 +272,20 @@ def test_stuck_subscriber_does_not_slow_stores(daemon_factory, tmp_path):
     eng = Engine(d.socket)
     try:
         worst = 0.0
+        after = 0  # stores once the stuck subscriber's queue was full
         for i in range(300):  # each store evicts and stores 512 blocks: ~5 KiB batches
             t0 = time.monotonic()
             eng.store([key(512 * i + j) for j in range(512)])
             worst = max(worst, time.monotonic() - t0)
             if i >= 10 and d.status()["events"]["dropped_batches"]:
-                break
+                after += 1
+                if after == 30:
+                    break
         st = d.status()["events"]
         assert st["dropped_batches"] > 0, "the stuck subscriber never filled its queue"
+        # A publisher that blocked on the full subscriber would stall the loop here
+        # (each store waits for its Done): 30 more stores go through after it filled.
+        assert after == 30, st
         assert worst < 2.0, f"a store took {worst:.2f} s with a stuck subscriber"
         time.sleep(0.5)
         # The healthy subscriber missed nothing: every sequence, in order.
