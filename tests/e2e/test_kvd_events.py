@@ -126,7 +126,10 @@ def test_kvd_publishes_vllms_hashes(tiny_model, daemon_factory, start_engine, tm
     vllm_events = [e for batch in vllm_decode(theirs) for e in batch]
     vllm_stored = [h for name, hs, *_ in vllm_events if name == "BlockStored" for h in hs]
 
-    (stored_ev,) = ours[0]
+    # A daemon's first batch on a topic opens with AllBlocksCleared (routers drop what an
+    # earlier daemon on this node announced), then what the engine stored.
+    cleared, stored_ev = ours[0]
+    assert cleared == ["AllBlocksCleared", None, None, None, None]
     name, hashes, parent, medium, block_size = stored_ev
     assert (name, parent, medium, block_size) == ("BlockStored", None, "CPU", BLOCK_TOKENS)
     assert len(hashes) == run.generations[0]["prompt_len"] // BLOCK_TOKENS  # full blocks
