@@ -93,6 +93,7 @@ _REGISTRY: dict[str, str] = {
     "arc": "kvd.core.policies.arc:ARCPolicy",
     "s3fifo": "kvd.core.policies.s3fifo:S3FIFOPolicy",
     "chain": "kvd.core.policies.chain:ChainPolicy",
+    "probation": "kvd.core.policies.probation:ProbationPolicy",
     "adaptive": "kvd.core.policies.adaptive:AdaptivePolicy",
 }
 DEFAULT_POLICY = "adaptive"

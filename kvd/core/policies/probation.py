@@ -1,0 +1,122 @@
+"""LRU with a learned admission: blocks predicted cold enter on probation.
+
+Most stored blocks are never used again (58% on the shared synthetic trace), and on
+some traffic whole classes of them: the private tail of one-shot requests behind a
+shared system prompt. This policy learns, online, how often the blocks of each class
+were reused. A class is what the index knows when it stores a run: did the storing
+request hit a cached prefix (``depth > 0``), and the length of its chain (log2). A
+block of a class reused at under half the overall rate enters a probation queue that
+is evicted before the main LRU order; a hit promotes it to the main order.
+
+Reuse is counted from hits on blocks not yet reused, and from blocks stored again after
+their eviction (a ghost list as long as the cache). Counts halve every ``capacity``
+stored blocks, so the classes follow the traffic; a class with little evidence leans
+on the overall rate. Nothing is declined: while the cache holds everything, probation
+changes no decision, so it costs hits only where its prediction is wrong, which the
+``adaptive`` policy's miniature simulations catch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+from itertools import chain, repeat
+
+from kvd.core.policies.base import EvictionPolicy, Key
+
+CLASSES = 64  # (hit a prefix: 0/1) x log2 of the chain length, up to 2**31 blocks
+PRIOR = 8.0  # stores' worth of the overall rate every class starts with
+_ABSENT = object()
+
+
+def class_of(depth: int, length: int) -> int:
+    return (32 if depth > 0 else 0) + min(length.bit_length(), 31)
+
+
+class ProbationPolicy(EvictionPolicy):
+    name = "probation"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._probe: OrderedDict[Key, None] = OrderedDict()  # evicted first
+        self._main: OrderedDict[Key, None] = OrderedDict()
+        self._fresh: dict[Key, int] = {}  # cached, not reused yet -> class
+        self._ghost: OrderedDict[Key, int] = OrderedDict()  # evicted unreused -> class
+        self._stored = [0.0] * CLASSES
+        self._reused = [0.0] * CLASSES
+        self._since = 0.0
+
+    # ------------------------------------------------------------ the predictor
+    def rate(self, cls: int) -> float:
+        """The class's reuse rate so far, smoothed toward the overall rate."""
+        total_s = sum(self._stored)
+        overall = sum(self._reused) / total_s if total_s > 0 else 0.0
+        return (self._reused[cls] + PRIOR * overall) / (self._stored[cls] + PRIOR)
+
+    def cold(self, cls: int) -> bool:
+        """Reused at under half the overall rate."""
+        total_s = sum(self._stored)
+        if total_s <= 0:
+            return False
+        return self.rate(cls) < 0.5 * sum(self._reused) / total_s
+
+    def _decay(self, n: int) -> None:
+        self._since += n
+        if self._since >= self.capacity:
+            self._since = 0.0
+            self._stored = [s * 0.5 for s in self._stored]
+            self._reused = [r * 0.5 for r in self._reused]
+
+    # ------------------------------------------------------------ updates
+    def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
+        self.insert_many((key,), depth, length)
+
+    def insert_many(self, keys: Sequence[Key], depth: int = 0, length: int = 0) -> None:
+        if not keys:
+            return
+        ghost, reused = self._ghost, self._reused
+        for cls in map(ghost.pop, filter(ghost.__contains__, keys)):
+            reused[cls] += 1  # stored again after its eviction: it was needed
+        cls = class_of(depth, length)
+        self._stored[cls] += len(keys)
+        (self._probe if self.cold(cls) else self._main).update(dict.fromkeys(keys))
+        self._fresh.update(dict.fromkeys(keys, cls))
+        self._decay(len(keys))
+
+    def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
+        fresh, reused, probe, main = self._fresh, self._reused, self._probe, self._main
+        for cls in map(fresh.pop, filter(fresh.__contains__, keys)):
+            reused[cls] += 1
+        # As LRU (and vLLM): the head of the prefix ends most recent.
+        promoted = [k for k in keys if k in probe]
+        if promoted:
+            deque(map(probe.pop, promoted), maxlen=0)
+            main.update(dict.fromkeys(promoted))
+        deque(map(main.move_to_end, reversed(keys)), maxlen=0)
+
+    def remove(self, key: Key) -> None:
+        self._probe.pop(key, None)
+        self._main.pop(key, None)
+        self._fresh.pop(key, None)
+
+    def evicted_many(self, keys: Sequence[Key]) -> None:
+        probe, main, fresh, ghost = self._probe, self._main, self._fresh, self._ghost
+        for key in keys:
+            if probe.pop(key, _ABSENT) is _ABSENT:
+                main.pop(key, None)
+            cls = fresh.pop(key, None)
+            if cls is not None:
+                ghost[key] = cls
+        extra = len(ghost) - self.capacity
+        if extra > 0:
+            deque(map(ghost.popitem, repeat(False, extra)), maxlen=0)
+
+    def evicted(self, key: Key) -> None:
+        self.evicted_many((key,))
+
+    # ------------------------------------------------------------ queries
+    def victims(self) -> Iterator[Key]:
+        return chain(iter(self._probe), iter(self._main))
+
+    def __len__(self) -> int:
+        return len(self._probe) + len(self._main)
