@@ -13,9 +13,45 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from kvd_client import Connection
 from kvd_proto import messages as m
+
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))  # the engine runner and its result lines
+from _engine import RESULT_PREFIX  # noqa: E402
+
+
+def start_engine(config: dict, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """A vLLM engine process (``tests/e2e/_engine.py``) in a session of its own, its
+    output to ``log`` (a pipe nobody reads would stall it)."""
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **(env or {})}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests/e2e/_engine.py"), "-"],
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=REPO, start_new_session=True)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(config))
+    proc.stdin.close()
+    return proc
+
+
+def finish_engine(proc: subprocess.Popen, log: Path, timeout: float = 600) -> list[dict]:
+    """Wait for an engine from ``start_engine`` (killed, with its children, past
+    ``timeout``); its result dicts. RuntimeError with the log's tail when it failed."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out = log.read_text()
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
+               if line.startswith(RESULT_PREFIX)]
+    if proc.returncode or any(r.get("op") == "error" for r in results):
+        raise RuntimeError("engine failed:\n" + "\n".join(out.splitlines()[-40:]))
+    return results
 
 
 class DaemonProc:

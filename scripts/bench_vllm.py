@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _bench import cpu_seconds, daemon, tree_cpu_seconds  # noqa: E402
-from _engine import RESULT_PREFIX  # noqa: E402
+from _bench import (cpu_seconds, daemon, finish_engine, start_engine,  # noqa: E402
+                    tree_cpu_seconds)
 from _model import build_tiny_model  # noqa: E402
 
 MODEL = dict(layers=8, hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
@@ -184,30 +182,6 @@ def _throughput_config(model: Path, sock: str, variant: str, index: int, block: 
         config["kv_transfer_config"] = kvd_config(
             sock if variant == "with" else sock + ".absent")
     return config
-
-
-def start_engine(config: dict, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """An engine process, its output to ``log`` (a pipe nobody reads would stall it)."""
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **(env or {})}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests/e2e/_engine.py"), "-"],
-                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                text=True, env=env, cwd=REPO)
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(config))
-    proc.stdin.close()
-    return proc
-
-
-def finish_engine(proc: subprocess.Popen, log: Path, timeout: float = 600) -> list[dict]:
-    """Wait for an engine from ``start_engine``; its result dicts."""
-    proc.wait(timeout=timeout)
-    out = log.read_text()
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
-               if line.startswith(RESULT_PREFIX)]
-    if proc.returncode or any(r.get("op") == "error" for r in results):
-        raise SystemExit("engine failed:\n" + "\n".join(out.splitlines()[-40:]))
-    return results
 
 
 def report_ttft(t: dict, repeat: int) -> None:

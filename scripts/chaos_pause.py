@@ -23,11 +23,9 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,37 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _bench import DaemonProc  # noqa: E402
-from _engine import RESULT_PREFIX  # noqa: E402
+from _bench import DaemonProc, finish_engine, start_engine  # noqa: E402
 from _model import build_tiny_model, long_prompt  # noqa: E402
 
 ENGINE_BLOCKS = 10  # vLLM's own KV cache, in blocks of 128 tokens: freed blocks are reused
 OPTIONS = {"transfer_timeout_ms": 400, "call_timeout_ms": 1000, "lookup_timeout_ms": 300}
-
-
-def engine(config: dict, log: Path) -> subprocess.Popen:
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests/e2e/_engine.py"), "-"],
-                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                text=True, cwd=REPO, start_new_session=True)
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(config))
-    proc.stdin.close()
-    return proc
-
-
-def results(proc: subprocess.Popen, log: Path, timeout: float) -> list[dict]:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    out = log.read_text()
-    found = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
-             if line.startswith(RESULT_PREFIX)]
-    if proc.returncode or any(r.get("op") == "error" for r in found):
-        raise RuntimeError("engine failed:\n" + "\n".join(out.splitlines()[-40:]))
-    return found
 
 
 def generations(found: list[dict]) -> list[dict]:
@@ -113,8 +85,8 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
     with tempfile.TemporaryDirectory(prefix="kvd-pause-") as tmp:
         tmpdir = Path(tmp)
         progress("reference outputs (no kvd)")
-        ref = results(engine({"model": str(model), "llm": llm, "steps": gen},
-                             tmpdir / "ref.log"), tmpdir / "ref.log", 600)
+        ref = finish_engine(start_engine({"model": str(model), "llm": llm, "steps": gen},
+                                         tmpdir / "ref.log"), tmpdir / "ref.log", 600)
         expected = [g["token_ids"] for g in generations(ref)]
 
         daemon = DaemonProc("--pool-size", "256M", "--extent-size", "1M").start()
@@ -124,7 +96,7 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
                    "kv_connector_extra_config": {"socket": daemon.socket, **OPTIONS}}
             steps = [s for _ in range(rounds) for s in [*gen, reset]]
             progress(f"{rounds} rounds x {prompts} prompts with the daemon paused at random")
-            proc = engine({"model": str(model), "llm": llm, "kv_transfer_config": ktc,
+            proc = start_engine({"model": str(model), "llm": llm, "kv_transfer_config": ktc,
                            "steps": steps}, tmpdir / "paused.log")
             long_pause = OPTIONS["call_timeout_ms"] / 1000 * 2.5
             # The last round runs without pauses: the engine must have reconnected by
@@ -136,7 +108,7 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
                             calm)
             pauser.start()
             try:
-                paused = results(proc, tmpdir / "paused.log", 300 + 60 * rounds)
+                paused = finish_engine(proc, tmpdir / "paused.log", 300 + 60 * rounds)
             finally:
                 pauser.done.set()
                 pauser.join()
@@ -147,9 +119,10 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
 
             progress("a fresh engine loads what kvd kept")
             fresh_steps = [s for g in gen for s in (reset, g)]
-            fresh = results(engine({"model": str(model), "llm": llm, "kv_transfer_config": ktc,
-                                    "steps": fresh_steps}, tmpdir / "fresh.log"),
-                            tmpdir / "fresh.log", 600)
+            fresh = finish_engine(start_engine({"model": str(model), "llm": llm,
+                                                "kv_transfer_config": ktc,
+                                                "steps": fresh_steps}, tmpdir / "fresh.log"),
+                                  tmpdir / "fresh.log", 600)
             fresh_got = [g["token_ids"] for g in generations(fresh)]
             after = daemon.status()
         finally:
