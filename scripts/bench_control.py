@@ -85,11 +85,13 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--window", type=int, default=16, help="requests in flight per client")
     p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--policy", help="the daemon's eviction policy (default: its default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     rows: list[dict] = []
     extra: dict = {}
-    with daemon("--pool-size", "256M", "--extent-size", "8M") as (sock, pid):
+    policy = ["--policy", args.policy] if args.policy else []
+    with daemon("--pool-size", "256M", "--extent-size", "8M", *policy) as (sock, pid):
         conn = Connection(sock, register=m.Register(0, FP, -1), timeout=10)
         assert conn.wait_up(10)
         hit_keys = [key("hit", i) for i in range(1000)]
