@@ -138,7 +138,7 @@ class Connection:
         """Queue a Transfer; its one Done reaches ``on_done`` (see the module docstring
         for when the connection itself ends it). Stamps the deadline unless the caller
         set one. False when the connection is down: nothing was sent."""
-        if not self._up.is_set():
+        if self._closed or not self._up.is_set():
             self.stats.unavailable += 1
             return False
         if not msg.deadline_ns:
@@ -154,6 +154,18 @@ class Connection:
         self._closed = True
         self._wakeup()
         self._thread.join(timeout=5)
+        # A send() that raced with close() may have queued after the I/O thread's last
+        # look: its Transfer (or call) still ends exactly once, here.
+        while True:
+            try:
+                msg, fut = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(Unavailable("kvd connection closed"))
+            elif isinstance(msg, m.Transfer) and self.on_done is not None:
+                self.on_done(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE, "connection closed"))
         os.close(self._wake)
         self._ctx.term()
 
@@ -218,12 +230,13 @@ class _IO:
                     os.eventfd_read(c._wake)
                 except BlockingIOError:
                     pass
-            if self.daemon_fd >= 0 and self.daemon_fd in events:
-                self.daemon_exited()
             self.flush_outbox()
             if self.sock is not None:
                 while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self.receive(self.sock.recv(zmq.NOBLOCK))
+            # After the socket: the daemon's last Dones may have come with its exit.
+            if self.daemon_fd >= 0 and self.daemon_fd in events:
+                self.daemon_exited()
             self.timers(time.monotonic())
 
     def poll_ms(self, now: float) -> int:
@@ -277,7 +290,9 @@ class _IO:
         except (zmq.Again, zmq.ZMQError):
             return False
 
-    def flush_outbox(self) -> None:
+    def flush_outbox(self, transfers: bool = True) -> None:
+        """Send what callers queued; without ``transfers`` (closing), a Transfer is
+        ended unsent instead: nobody would be left to take its Done."""
         c = self.c
         while True:
             try:
@@ -286,7 +301,8 @@ class _IO:
                 return
             if fut is not None and not fut.set_running_or_notify_cancel():
                 continue
-            if self.phase != "up" or not self.raw_send(msg):
+            if (self.phase != "up" or (not transfers and isinstance(msg, m.Transfer))
+                    or not self.raw_send(msg)):
                 self.fail_one(msg, fut, Unavailable("kvd connection lost"))
                 continue
             now = time.monotonic()
@@ -475,9 +491,12 @@ class _IO:
     def shutdown(self) -> None:
         linger = 0
         if self.phase == "up" and not self.c._outbox.empty():
-            self.flush_outbox()  # what close() found queued (a Release, an Abort) goes out
+            # What close() found queued (a Release, an Abort) goes out; a Transfer does
+            # not (its Done would come to nobody while the daemon copied).
+            self.flush_outbox(transfers=False)
             linger = 100  # ms for zmq to write it; never an unbounded wait
         self.lost("connection closed", quiet=True)
+        self.flush_outbox()  # anything left: ended here (the connection is down now)
         # Closing means this process stops using kvd (an engine shutting down): what is
         # still in flight is reported to the caller, whose memory goes away with it.
         self.end_transfers(m.Code.CLIENT_GONE, "connection closed")

@@ -189,6 +189,8 @@ class CudaEngine(TransferEngine):
                 return
             c.released = True
             lane, c.lane = c.lane, None
+            if lane is not None and not wait:
+                self._retiring.add(lane)  # in the same step: close() must see it
         if lane is None:
             self._retired(c, [])
         elif wait:
@@ -198,8 +200,6 @@ class CudaEngine(TransferEngine):
                 log.warning("GPU %s: the store lane of pid %d is still blocked on its "
                             "event; its handles stay open", format_uuid(c.device.uuid), c.pid)
         else:
-            with self._lock:
-                self._retiring.add(lane)
             lane.retire(lambda errors: self._retired(c, errors, lane))
 
     def _retired(self, c: Client, errors: list[Exception], lane: Lane | None = None) -> None:
@@ -254,16 +254,18 @@ class CudaEngine(TransferEngine):
         store = job.direction == Direction.STORE
         if work.state != QUEUED:
             return None  # failed while queued (deadline, detach, close)
+        claimed = False
         try:
             err = self._gate(work, lane) if store else verify_then(job, self.pool)
             if not store:  # a load's bytes cannot be taken back: no backlog ahead of it
                 lane.wait_room(LOAD_DEPTH, job.deadline)
             err = err or expired(job)
-            if err is None and not self._claim(work):
-                return None  # failed meanwhile (deadline, detach, close)
             if err is not None:
                 self._fail(work, err)
                 return None
+            if not self._claim(work):
+                return None  # failed meanwhile (deadline, detach, close)
+            claimed = True
             pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
             dsts, srcs = (pool, remote) if store else (remote, pool)
             copy_runs(self.api, dsts, srcs, lengths,
@@ -272,10 +274,16 @@ class CudaEngine(TransferEngine):
             self.api.event_record(ev, lane.stream)
             return ev
         except Exception as e:  # noqa: BLE001 - reported to the client as Done
-            if work.state == QUEUED:
-                self._fail(work, e)
-            else:
-                self._end(work, e)
+            if not claimed:
+                self._fail(work, e)  # nothing if somebody else ended it meanwhile
+                return None
+            # Part of the copies may be on the stream already: no Done before they ran
+            # (a load's client would reuse its blocks under them).
+            try:
+                self.api.stream_synchronize(lane.stream)
+            except Exception as sync_error:  # noqa: BLE001 - a sticky error: nothing runs
+                log.warning("CUDA: synchronising after a failed enqueue: %s", sync_error)
+            self._end(work, e)
             return None
 
     def _gate(self, work: Work, lane: Lane) -> Exception | None:

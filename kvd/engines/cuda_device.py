@@ -90,6 +90,10 @@ class Lane:
                 self._free.append(ev)
             except Exception as e:  # noqa: BLE001 - the copy failed on the device
                 err = e
+                try:
+                    self.api.event_destroy(ev)  # not reused after a failure
+                except Exception:  # noqa: BLE001, S110 - a poisoned context: nothing to free
+                    pass
             with self._cv:
                 self._outstanding -= 1
                 self._cv.notify_all()

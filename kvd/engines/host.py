@@ -173,7 +173,10 @@ class HostEngine(TransferEngine):
             # Never start a copy (nor a load's verification) past the deadline.
             err: Exception | None = st.error or expired(job)
             if err is None and chunk.lo < 0:  # the verification step of a load
-                err = verify_then(job, self.pool)
+                try:
+                    err = verify_then(job, self.pool)
+                except Exception as e:  # noqa: BLE001 - the job still gets its one Done
+                    err = e
                 if err is None and st.bounds:
                     with self._lock:
                         st.remaining += len(st.bounds)
@@ -195,7 +198,10 @@ class HostEngine(TransferEngine):
                 if st.error is None and job.direction == Direction.STORE:
                     st.error = late(job)  # read after its client gave up: not trusted
                     if st.error is None:
-                        checksum_after(job, self.pool)
+                        try:
+                            checksum_after(job, self.pool)
+                        except Exception as e:  # noqa: BLE001 - reported as its Done
+                            st.error = e
                 self.on_done(job, st.error, time.perf_counter() - st.started)
 
     def close(self) -> None:
@@ -205,3 +211,15 @@ class HostEngine(TransferEngine):
             self._q.put(None)
         for t in self._threads:
             t.join(timeout=30)
+        # Chunks a load's verification queued behind the stop markers never ran: their
+        # jobs still get their one Done (nothing of them was copied).
+        ended: set[int] = set()
+        while True:
+            try:
+                chunk = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if chunk is not None and id(chunk.state) not in ended:
+                ended.add(id(chunk.state))
+                self.on_done(chunk.job, TransferError("daemon is stopping", Code.ABORTED),
+                             time.perf_counter() - chunk.state.started)

@@ -124,6 +124,13 @@ class FakeCuda:
         self._enqueue("launch", self._stream(stream), gate.wait)
         return gate
 
+    def poison(self, device: int) -> None:
+        """A sticky error on ``device`` (as an illegal address raises): every later call
+        there fails, and waits blocked on it return failing."""
+        with self._cv:
+            self.poisoned.add(device)
+            self._cv.notify_all()
+
     def idle(self, timeout: float = 5.0) -> bool:
         """Wait until every stream ran all it was given (True) or ``timeout`` passed."""
         with self._cv:

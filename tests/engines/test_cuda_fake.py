@@ -789,3 +789,19 @@ def test_d4_a_load_behind_a_stalled_copy_is_checked_when_it_can_run_not_before(f
     assert rig.err(1) is None and rig.err(2).code == m.Code.EXPIRED
     assert len(copies_of(fake, rig)) == 1
     rig.engine.close()
+
+
+def test_a_store_expired_in_its_gate_is_reported_once_even_if_the_gate_then_fails(fake):
+    """The watchdog ends a store whose worker event never completes; when the gate's
+    wait then fails too (a sticky error on the device), nobody reports it again."""
+    rig = Rig(fake)
+    gate, ev = rig.forward()  # the worker's forward pass never ends
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev,
+                              deadline=time.monotonic() + 0.2))
+    assert rig.wait_done(1)
+    assert rig.err(1).code == m.Code.EXPIRED
+    fake.poison(0)  # a sticky error on the device: the gate's wait returns failing
+    time.sleep(0.3)
+    assert len(rig.done) == 1, rig.done
+    gate.set()
+    rig.engine.close()

@@ -88,7 +88,7 @@ class ProbationPolicy(EvictionPolicy):
         for cls in map(fresh.pop, filter(fresh.__contains__, keys)):
             reused[cls] += 1
         # As LRU (and vLLM): the head of the prefix ends most recent.
-        promoted = [k for k in keys if k in probe]
+        promoted = list(dict.fromkeys(k for k in keys if k in probe))  # a key may repeat
         if promoted:
             deque(map(probe.pop, promoted), maxlen=0)
             main.update(dict.fromkeys(promoted))
