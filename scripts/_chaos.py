@@ -182,13 +182,19 @@ def kill_clients(socket: str, rounds: int, status) -> list[dict]:
 # ---------------------------------------------------------------- kill the daemon
 
 
-def _writer(socket: str, start: int, committed: mp.Queue, stop, rate: float) -> None:
+def _writer(socket: str, start: int, committed: mp.Queue, stop, rate: float,
+            hold=None) -> None:
     """Store new blocks in batches of 32 (at most ``rate`` blocks/s, so the pool never
-    has to evict) until told to stop; report each committed batch."""
+    has to evict) until told to stop, standing still while ``hold`` is set (the checks
+    run then: their time must not fill the pool); report each committed batch."""
     c = Client(socket, timeout=1.0)
     i = start
     t0 = time.monotonic()
     while not stop.is_set():
+        if hold is not None and hold.is_set():
+            time.sleep(0.01)
+            start, t0 = i, time.monotonic()  # the rate counts from the end of the hold
+            continue
         if (i - start) > rate * (time.monotonic() - t0):
             time.sleep(0.01)
             continue
@@ -222,9 +228,9 @@ def kill_daemon(d, rounds: int, writers: int = 2, min_s: float = 0.3, max_s: flo
     ctx = mp.get_context("spawn")
     rng = np.random.default_rng(seed)
     committed_q: mp.Queue = ctx.Queue()
-    stop = ctx.Event()
+    stop, hold = ctx.Event(), ctx.Event()
     procs = [ctx.Process(target=_writer,
-                         args=(d.socket, (w + 1) << 32, committed_q, stop, rate),
+                         args=(d.socket, (w + 1) << 32, committed_q, stop, rate, hold),
                          daemon=True) for w in range(writers)]
     for p in procs:
         p.start()
@@ -237,6 +243,7 @@ def kill_daemon(d, rounds: int, writers: int = 2, min_s: float = 0.3, max_s: flo
             time.sleep(0.2)  # Dones already on their way are counted
             committed += drain(committed_q)
             t0 = time.monotonic()
+            hold.set()  # writers stand still while the restored blocks are checked
             d.start()
             restart_s = time.monotonic() - t0
             st = d.status()
@@ -247,6 +254,7 @@ def kill_daemon(d, rounds: int, writers: int = 2, min_s: float = 0.3, max_s: flo
                 h, c = v.verify(batch)
                 hits, corrupt = hits + h, corrupt + c
             v.close()
+            hold.clear()
             total = sum(len(b) for b in committed)
             out.append({"committed": total, "restored": hits, "missing": total - hits,
                         "corrupt_loaded": corrupt, "restart_s": restart_s,
