@@ -5,19 +5,29 @@
 - RPCs per second with N client processes, each keeping a window of requests in
   flight (1-key Lookups).
 - Daemon CPU time per lookup key and per allocated block (from /proc, whole phases).
+- The baseline, measured in the same run: a raw ZeroMQ DEALER/ROUTER round trip between
+  two processes over ipc with the same 1-key Lookup bytes (an echo server, before and
+  after the timed cases), so the client's and daemon's overhead reads as a ratio that
+  holds on another machine.
 
-    python scripts/bench_control.py [--clients 8] [--seconds 3] [--json]
-Targets: 1,000-key lookup <= 2 x the 1-key round trip; >= 20,000 RPC/s.
+    python scripts/bench_control.py [--clients 8] [--seconds 3] [--policy NAME] [--json]
+Targets: 1,000-key lookup <= 2 x the 1-key round trip; >= 20,000 RPC/s; a 1-key
+lookup through ``Connection`` <= 1.3 x the raw round trip.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import msgspec
+import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import cpu_seconds, daemon, emit, pct  # noqa: E402
@@ -43,6 +53,49 @@ def timed(conn: Connection, make, n: int, after=None) -> list[float]:
         out.append(time.perf_counter() - t0)
         if after is not None:
             after(reply)
+    return out
+
+
+def _echo(addr: str, ready) -> None:
+    """The raw baseline's server: a ROUTER that sends every message straight back."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(addr)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart()
+        if frames[-1] == b"stop":
+            break
+        sock.send_multipart(frames)
+    sock.close(linger=0)
+    ctx.term()
+
+
+def raw_round_trips(n: int) -> list[float]:
+    """``n`` raw DEALER/ROUTER round trips of a 1-key Lookup's bytes, two processes."""
+    with tempfile.TemporaryDirectory(prefix="kvd-raw-") as tmp:
+        addr = f"ipc://{os.path.join(tmp, 'raw.sock')}"
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        server = ctx.Process(target=_echo, args=(addr, ready))
+        server.start()
+        ready.wait(30)
+        zctx = zmq.Context()
+        sock = zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        payload = msgspec.msgpack.encode(m.Lookup(1, [key("raw", 0)]))
+        out = []
+        for i in range(n + 20):  # 20 to warm up
+            t0 = time.perf_counter()
+            sock.send(payload)
+            sock.recv()
+            if i >= 20:
+                out.append(time.perf_counter() - t0)
+        sock.send(b"stop")
+        server.join(10)
+        sock.close(linger=0)
+        zctx.term()
     return out
 
 
@@ -123,6 +176,7 @@ def main() -> int:
                 conn.request(m.Release(conn.next_req(), reply.lease))
 
         n = args.samples
+        raw = raw_round_trips(n)  # the baseline, before the cases and again after them
         cases = [
             ("ping", lambda r: m.Ping(r), None),
             ("lookup 1 key, hit", lambda r: m.Lookup(r, hit_keys[:1]), release),
@@ -136,9 +190,14 @@ def main() -> int:
             xs = timed(conn, make, n, after)
             rows.append({"case": name, "p50_us": statistics.median(xs) * 1e6,
                          "p99_us": pct(xs, 0.99) * 1e6})
+        raw += raw_round_trips(n)
+        rows.append({"case": "raw zmq round trip (baseline)",
+                     "p50_us": statistics.median(raw) * 1e6, "p99_us": pct(raw, 0.99) * 1e6})
         one = next(r for r in rows if r["case"] == "lookup 1 key, hit")["p50_us"]
+        base = rows[-1]["p50_us"]
         for r in rows:
             r["vs_1key"] = r["p50_us"] / one
+            r["vs_raw"] = r["p50_us"] / base
         # Daemon CPU per lookup key (1000-key hit lookups, release included separately).
         cpu0 = cpu_seconds(pid)
         reps = 200
@@ -166,9 +225,13 @@ def main() -> int:
             "met_1000key": ratio <= 2.0,
             "target_rpc_per_s": ">= 20000",
             "met_rpc": rate >= 20000,
+            "lookup_1key_vs_raw_zmq": round(one / base, 2),
+            "target_lookup_vs_raw": "<= 1.3",
+            "met_lookup_vs_raw": one / base <= 1.3,
         }
     emit(rows, [("case", "case", "s"), ("p50_us", "p50 us", ".0f"),
-                ("p99_us", "p99 us", ".0f"), ("vs_1key", "x 1-key hit", ".2f")],
+                ("p99_us", "p99 us", ".0f"), ("vs_1key", "x 1-key hit", ".2f"),
+                ("vs_raw", "x raw zmq", ".2f")],
          args.json, extra)
     return 0
 
