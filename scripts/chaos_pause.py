@@ -50,11 +50,13 @@ class Pauser(threading.Thread):
 
     def __init__(self, pid: int, rng: random.Random, pause: tuple[float, float],
                  long_pause: float, long_every: int = 5,
-                 calm: Callable[[], bool] = lambda: False) -> None:
+                 calm: Callable[[], bool] = lambda: False,
+                 then: Callable[[], None] = lambda: None) -> None:
         super().__init__(name="pauser", daemon=True)
         self.pid, self.rng, self.pause = pid, rng, pause
         self.long_pause, self.long_every = long_pause, long_every
         self.calm = calm  # true once pausing should stop (the engine's last round)
+        self.then = then  # called once pausing stopped, the daemon running
         self.done = threading.Event()
         self.pauses: list[float] = []
 
@@ -69,6 +71,7 @@ class Pauser(threading.Thread):
             finally:
                 os.kill(self.pid, signal.SIGCONT)
             self.pauses.append(seconds)
+        self.then()
 
 
 def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float] = (0.2, 2.0),
@@ -94,7 +97,12 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
             ktc = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd_client.vllm",
                    "kv_role": "kv_both",
                    "kv_connector_extra_config": {"socket": daemon.socket, **OPTIONS}}
-            steps = [s for _ in range(rounds) for s in [*gen, reset]]
+            calm_file = tmpdir / "calm"
+            # The last round waits until the pauses are over and the daemon runs, then
+            # gives the client time to reconnect: it must store again by itself.
+            steps = [s for _ in range(rounds - 1) for s in [*gen, reset]]
+            steps += [{"op": "wait_file", "path": str(calm_file), "timeout": 600},
+                      {"op": "sleep", "seconds": 2.0}, *gen, reset]
             progress(f"{rounds} rounds x {prompts} prompts with the daemon paused at random")
             proc = start_engine({"model": str(model), "llm": llm, "kv_transfer_config": ktc,
                            "steps": steps}, tmpdir / "paused.log")
@@ -105,7 +113,7 @@ def run(rounds: int, prompts: int = 6, seed: int = 0, pause: tuple[float, float]
             calm = (lambda: log.read_text().count('"op": "generate"')
                     >= (rounds - 1) * prompts)
             pauser = Pauser(daemon.pid, random.Random(seed), pause, long_pause, long_every,
-                            calm)
+                            calm, calm_file.touch)
             pauser.start()
             try:
                 paused = finish_engine(proc, tmpdir / "paused.log", 300 + 60 * rounds)
