@@ -193,6 +193,8 @@ class Server:
             return service.error(m.peek_req(data), m.Code.BAD_REQUEST,
                                  f"malformed message: {e}")
         try:
+            if isinstance(msg, m.Transfer):  # the data path: straight to its owner
+                return service.transfers.handle(identity, msg)
             return service.handle(identity, Peer.of(frames[1]), msg)
         except Exception as e:  # noqa: BLE001 - no input may crash the daemon
             log.exception("internal error on %s", type(msg).__name__)

@@ -71,7 +71,8 @@ class Service:
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
         self.transfers = Transfers(config, self.index, pool.base, send, clock, self.counters,
-                                   committed=self._journal)
+                                   committed=self._journal, clients=self.clients,
+                                   stopping=lambda: self.stopping)
         self._next_client = 1
         self.on_client = None  # set by the server: watch a new client's pid
         self.extra_status: Callable[[], dict] = dict  # the shell adds what it owns
@@ -80,20 +81,12 @@ class Service:
 
     # ------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
-        try:
-            reply = self._dispatch(identity, peer, msg)
-        except Exception as e:
-            client = self.clients.get(identity)
-            if not isinstance(msg, m.Transfer) or client is None:
-                raise  # the server answers with an INTERNAL Error
-            log.exception("internal error on a Transfer")
-            reply = self.transfers.done(client, msg, KvdError(f"internal error: {e}"))
-        try:
-            self._journal()  # journaled before the reply leaves
-        except Exception:  # noqa: BLE001 - never turn a reply into an Error here: a
-            # Transfer already handed to an engine must keep its one Done from the engine
-            log.exception("writing the journal / KV events failed")
-            self.counters.error(m.Code.INTERNAL)
+        """Any request; a Transfer goes to its owner, ``transfers`` (the server hands
+        Transfers there itself: the data path does not pass through here)."""
+        if isinstance(msg, m.Transfer):
+            return self.transfers.handle(identity, msg)
+        reply = self._dispatch(identity, peer, msg)
+        self._journal()  # journaled before the reply leaves
         return reply
 
     @property
@@ -129,11 +122,8 @@ class Service:
                 raise NotRegistered("send Hello first (the daemon may have restarted)")
             client.requests += 1
             client.last_seen = self.clock()
-            if self.stopping and isinstance(msg, (m.Register, m.Lookup, m.Allocate,
-                                                  m.Transfer)):
+            if self.stopping and isinstance(msg, (m.Register, m.Lookup, m.Allocate)):
                 raise KvdError("kvd is stopping; retry once it is back", m.Code.BUSY)
-            if isinstance(msg, m.Transfer):
-                return self.transfers.accept(client, msg)
             if isinstance(msg, m.Ping):
                 return m.Ok(msg.req)
             if isinstance(msg, m.Stats):
@@ -159,9 +149,6 @@ class Service:
                 return m.Ok(msg.req, self.index.abort(slots))
             raise RequestError(f"unexpected message {type(msg).__name__}")
         except KvdError as e:
-            client = self.clients.get(identity)
-            if isinstance(msg, m.Transfer) and client is not None:
-                return self.transfers.done(client, msg, e)  # one Done, always
             self.counters.error(e.code)
             return m.Error(msg.req, e.code, str(e))
 

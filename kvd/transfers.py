@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,9 +108,15 @@ def own_slots(index: Index, tenant: Tenant, packed: bytes | np.ndarray,
 
 
 class Transfers:
+    """A Transfer's whole life, from the socket (``handle``) to its one Done: checks,
+    tickets, the copy job, expiry, completion. ``clients`` is the service's table of
+    connections (read here, never changed); ``stopping`` says new work gets BUSY."""
+
     def __init__(self, config: Config, index: Index, pool_base: int, send: Send,
                  clock: Callable[[], float], counters: Counters,
-                 committed: Callable[[], None] = lambda: None) -> None:
+                 committed: Callable[[], None] = lambda: None,
+                 clients: Mapping[bytes, Client] | None = None,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.config = config  # replaced by the service on a reload
         self.index = index
         self.pool_base = pool_base
@@ -118,6 +124,8 @@ class Transfers:
         self.clock = clock  # CLOCK_MONOTONIC seconds, the clock of Transfer deadlines
         self.counters = counters
         self.committed = committed  # journal what the index changed, before the Done
+        self.clients: Mapping[bytes, Client] = clients if clients is not None else {}
+        self.stopping = stopping
         self.tickets: Tickets[tuple[Client, m.Transfer]] = Tickets()
         self.owners: dict[CopyJob, Client] = {}  # jobs inside an engine
         self.on_finished: Callable[[m.Direction, bool, float], None] = lambda *a: None
@@ -143,6 +151,34 @@ class Transfers:
             self.send(client.identity, reply)
 
     # ------------------------------------------------------------ accept
+    def handle(self, identity: bytes, msg: m.Transfer) -> m.Reply | None:
+        """A Transfer from the socket: its Done now (refused, expired, nothing to copy),
+        or None when ``complete`` (or a ticket's arrival) answers later. An Error only
+        when no client is known by ``identity`` (it never said Hello)."""
+        self.counters.requests += 1
+        client = self.clients.get(identity)
+        if client is None:
+            self.counters.error(m.Code.NOT_REGISTERED)
+            return m.Error(msg.req, m.Code.NOT_REGISTERED,
+                           "send Hello first (the daemon may have restarted)")
+        client.requests += 1
+        client.last_seen = self.clock()
+        try:
+            if self.stopping():
+                raise KvdError("kvd is stopping; retry once it is back", m.Code.BUSY)
+            reply = self.accept(client, msg)
+        except KvdError as e:
+            reply = self.done(client, msg, e)
+        except Exception as e:  # noqa: BLE001 - an internal error still ends it once
+            log.exception("internal error on a Transfer")
+            reply = self.done(client, msg, KvdError(f"internal error: {e}"))
+        try:
+            self.committed()  # what accepting changed, journaled before the reply leaves
+        except Exception:  # noqa: BLE001 - a Transfer handed to an engine keeps its Done
+            log.exception("writing the journal / KV events failed")
+            self.counters.error(m.Code.INTERNAL)
+        return reply
+
     def accept(self, client: Client, msg: m.Transfer) -> m.Done | None:
         """A Transfer arrived: its Done now (refused, expired, nothing to copy), or None
         when a copy job runs (``complete`` answers) or it waits for its ticket."""
