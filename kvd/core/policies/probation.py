@@ -45,48 +45,59 @@ class ProbationPolicy(EvictionPolicy):
         self._stored = [0.0] * CLASSES
         self._reused = [0.0] * CLASSES
         self._since = 0.0
+        self._total_s = self._total_r = 0.0
+        self._run_next, self._run_length, self._run_cls = -1, -1, 0
 
     # ------------------------------------------------------------ the predictor
+    # Running totals of the per-class counts, so that a decision costs O(1).
     def rate(self, cls: int) -> float:
         """The class's reuse rate so far, smoothed toward the overall rate."""
-        total_s = sum(self._stored)
-        overall = sum(self._reused) / total_s if total_s > 0 else 0.0
+        overall = self._total_r / self._total_s if self._total_s > 0 else 0.0
         return (self._reused[cls] + PRIOR * overall) / (self._stored[cls] + PRIOR)
 
     def cold(self, cls: int) -> bool:
         """Reused at under half the overall rate."""
-        total_s = sum(self._stored)
-        if total_s <= 0:
+        if self._total_s <= 0:
             return False
-        return self.rate(cls) < 0.5 * sum(self._reused) / total_s
+        return self.rate(cls) < 0.5 * self._total_r / self._total_s
 
-    def _decay(self, n: int) -> None:
-        self._since += n
+    def _reuse(self, cls: int) -> None:
+        self._reused[cls] += 1
+        self._total_r += 1
+
+    def _decay(self) -> None:
+        self._since += 1
         if self._since >= self.capacity:
             self._since = 0.0
             self._stored = [s * 0.5 for s in self._stored]
             self._reused = [r * 0.5 for r in self._reused]
+            self._total_s, self._total_r = sum(self._stored), sum(self._reused)
 
     # ------------------------------------------------------------ updates
     def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
-        self.insert_many((key,), depth, length)
-
-    def insert_many(self, keys: Sequence[Key], depth: int = 0, length: int = 0) -> None:
-        if not keys:
-            return
-        ghost, reused = self._ghost, self._reused
-        for cls in map(ghost.pop, filter(ghost.__contains__, keys)):
-            reused[cls] += 1  # stored again after its eviction: it was needed
-        cls = class_of(depth, length)
-        self._stored[cls] += len(keys)
-        (self._probe if self.cold(cls) else self._main).update(dict.fromkeys(keys))
-        self._fresh.update(dict.fromkeys(keys, cls))
-        self._decay(len(keys))
+        # One key at a time (insert_many is the base loop): the counts a decision reads
+        # include every key stored before it, so a run decides as its single inserts do.
+        # A key right after the last one (next depth, same chain) continues its run and
+        # takes the run's class: the class is the storing request's, not the block's.
+        cls = self._ghost.pop(key, None)
+        if cls is not None:
+            self._reuse(cls)  # stored again after its eviction: it was needed
+        if depth > 0 and depth == self._run_next and length == self._run_length:
+            cls = self._run_cls
+        else:
+            cls = class_of(depth, length)
+        self._run_next, self._run_length, self._run_cls = depth + 1, length, cls
+        self._stored[cls] += 1
+        self._total_s += 1
+        (self._probe if self.cold(cls) else self._main)[key] = None
+        self._fresh[key] = cls
+        self._decay()
 
     def touch(self, keys: Sequence[Key], depth: int = 0) -> None:
         fresh, reused, probe, main = self._fresh, self._reused, self._probe, self._main
         for cls in map(fresh.pop, filter(fresh.__contains__, keys)):
             reused[cls] += 1
+            self._total_r += 1
         # As LRU (and vLLM): the head of the prefix ends most recent.
         promoted = list(dict.fromkeys(k for k in keys if k in probe))  # a key may repeat
         if promoted:
