@@ -5,6 +5,7 @@
     │   ├── NotRegistered
     │   └── BadIds
     ├── TransferError       a copy failed (permission, client gone, bad address)
+    ├── TierError           a tier below the pool is unusable now (I/O, cluster down)
     └── ConfigError         the configuration is invalid: refuse to start
 """
 
@@ -36,6 +37,13 @@ class BadIds(RequestError):
 
 class TransferError(KvdError):
     code = Code.TRANSFER_FAILED
+
+
+class TierError(KvdError):
+    """A tier below the RAM pool cannot be used right now (I/O error, cluster down,
+    timeout): the daemon counts it and goes on serving from RAM."""
+
+    code = Code.BUSY
 
 
 class ConfigError(KvdError):

@@ -13,14 +13,18 @@ Ordering is what makes kill -9 safe: a Drop is written before the Allocate reply
 hands the slot out again, and a Commit only after every rank's bytes are in the pool
 (a MAP_SHARED file, so they survive the process). Writes are plain ``os.write`` calls:
 page cache survives a killed process; ``fsync`` is for the compacted snapshot only.
+
+The framing and ``Journal`` take any msgspec Struct: the disk tier (kvd/tiers/disk.py)
+keeps its own journal of its own record types, read with ``read_records(path, decoder)``.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, overload
 
 import msgspec
 import xxhash
@@ -59,15 +63,23 @@ class Drop(msgspec.Struct, array_like=True, tag="d"):
 Record = Header | TenantRec | Commit | Drop
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Record)
+T = TypeVar("T")
 
 
-def frame(rec: Record) -> bytes:
+def frame(rec: msgspec.Struct) -> bytes:
+    """One framed record; any msgspec Struct (other journals bring their own types)."""
     payload = _enc.encode(rec)
     return _FRAME.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
 
 
-def read_records(path: str) -> Iterator[Record]:
-    """Every intact record, in order; stops quietly at a torn or corrupt tail."""
+@overload
+def read_records(path: str) -> Iterator[Record]: ...
+@overload
+def read_records(path: str, decoder: msgspec.msgpack.Decoder[T]) -> Iterator[T]: ...
+def read_records(path: str, decoder: msgspec.msgpack.Decoder | None = None) -> Iterator:
+    """Every intact record, in order; stops quietly at a torn or corrupt tail.
+    ``decoder`` reads another journal's record types (default: this module's)."""
+    dec = _dec if decoder is None else decoder
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -83,7 +95,7 @@ def read_records(path: str) -> Iterator[Record]:
         if xxhash.xxh3_64_intdigest(payload) != check:
             return
         try:
-            yield _dec.decode(payload)
+            yield dec.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
         pos = start + length
@@ -138,7 +150,7 @@ class Journal:
         self.records = 0
         self.bytes = os.fstat(self._fd).st_size
 
-    def append(self, records: list[Record]) -> None:
+    def append(self, records: Sequence[msgspec.Struct]) -> None:
         if not records:
             return
         buf = b"".join([frame(r) for r in records])
@@ -146,12 +158,12 @@ class Journal:
         self.bytes += len(buf)
         self.records += len(records)
 
-    def rewrite(self, records: Iterable[Record]) -> None:
+    def rewrite(self, records: Iterable[msgspec.Struct]) -> None:
         """Atomically replace the journal with ``records``."""
         self.write_snapshot(records)
         self.swap_snapshot([])
 
-    def write_snapshot(self, records: Iterable[Record]) -> None:
+    def write_snapshot(self, records: Iterable[msgspec.Struct]) -> None:
         """Write a snapshot beside the journal (any thread; the journal stays in use)."""
         data = b"".join([frame(r) for r in records])
         fd = os.open(self.path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -162,7 +174,7 @@ class Journal:
             os.close(fd)
         self._snapshot_bytes = len(data)
 
-    def swap_snapshot(self, backlog: list[Record]) -> None:
+    def swap_snapshot(self, backlog: Sequence[msgspec.Struct]) -> None:
         """Append what was journaled since the snapshot, then make it the journal."""
         tmp = self.path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_APPEND)
@@ -174,6 +186,10 @@ class Journal:
         self._fd = fd
         self.bytes = self._snapshot_bytes + len(tail)
         self.records = len(backlog)
+
+    def sync(self) -> None:
+        """Make what was appended survive a reboot (appends alone survive a kill)."""
+        os.fsync(self._fd)
 
     def close(self) -> None:
         os.close(self._fd)

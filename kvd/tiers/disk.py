@@ -1,0 +1,467 @@
+"""The disk tier: blocks the RAM pool let go of, kept in one slot file, restart-safe.
+
+One data file of exactly ``size`` bytes, carved by the pool's ``Allocator``: a slot holds
+a ``BlockHeader`` and the payload, rounded up to 4 KiB, so the block sizes of several
+tenants coexist as size classes. The index lives in memory and in a journal
+(kvd/journal.py's framing, this module's records); eviction is a registry policy.
+
+A put's order makes a kill -9 and a reboot alike leave a journal naming only blocks it
+may serve: (1) the Drops of the blocks evicted for room are appended before their slots
+are written; (2) the blocks are written and ``fdatasync``ed; (3) then their Puts are
+appended and the journal ``fsync``ed. A reboot may lose appends not yet synced: a lost
+Put forgets a block; a lost Drop leaves a key naming a slot that now holds another
+block, which the header check makes a miss. Data is verified on read, never at start.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from itertools import islice
+from typing import Any, NamedTuple, TypeVar, cast
+
+import msgspec
+import numpy as np
+
+from kvd.core.allocator import Allocator, AllocatorError
+from kvd.core.policies.base import DEFAULT_POLICY, make_policy
+from kvd.errors import ConfigError, TierError
+from kvd.journal import Journal, read_records
+from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
+
+log = logging.getLogger("kvd.tiers.disk")
+
+DATA_FILE = "kvd-disk.slots"
+JOURNAL_FILE = "kvd-disk.journal"
+PAGE = 4096
+IOV_MAX = 1024  # iovecs per preadv/pwritev (Linux's UIO_MAXIOV)
+PER_CALL = IOV_MAX // 3  # a block takes a header, its payload and its padding
+MAX_CALL_BYTES = 1 << 30  # Linux moves at most ~2 GiB per call
+VERSION = 1
+_ZEROS = memoryview(bytes(PAGE))  # padding to a slot's end: under a page, mostly
+
+
+class DiskHeader(msgspec.Struct, array_like=True, frozen=True, tag="H"):
+    """The geometry the journal's slots refer to; another one makes them meaningless."""
+
+    size: int
+    extent_size: int
+    min_slot_bytes: int
+    version: int = VERSION
+
+
+class DiskPut(msgspec.Struct, array_like=True, frozen=True, tag="P"):
+    """A block written and synced; also the index's entry for it."""
+
+    ns: bytes
+    key: bytes
+    slot: int
+    slot_bytes: int
+    length: int
+    checksum: int
+    depth: int
+
+
+class DiskDrop(msgspec.Struct, array_like=True, frozen=True, tag="D"):
+    slot: int
+
+
+_DECODER = msgspec.msgpack.Decoder(DiskHeader | DiskPut | DiskDrop)
+
+
+class _Staged(NamedTuple):
+    scoped: bytes
+    block: TierBlock
+    view: memoryview
+    head: bytes
+    checksum: int
+    slot_bytes: int
+
+
+def _scoped(ns: bytes, key: bytes) -> bytes:
+    """The index's key: length-prefixed, so no (ns, key) pair aliases another."""
+    return len(ns).to_bytes(2, "little") + ns + key
+
+
+def _pad(n: int, into: memoryview = _ZEROS) -> list[Any]:
+    """The buffer that fills a slot after its payload (none when it ends exactly)."""
+    return [] if not n else [into[:n] if n <= len(into) else bytearray(n)]
+
+
+def _vectored(call: Callable[[int, list[Any], int], int], fd: int, iovs: list[list[Any]],
+              offsets: np.ndarray, sizes: np.ndarray) -> list[bool]:
+    """``preadv``/``pwritev`` of each slot's buffers (``iovs[i]``, ``sizes[i]`` bytes at
+    ``offsets[i]``), adjacent slots in one call: a batch costs a syscall per run of the
+    file, not per block. Returns which slots were moved whole (a short call stops)."""
+    order = np.argsort(offsets, kind="stable")
+    o, s = offsets[order], sizes[order]
+    follows = np.append(o[1:] == o[:-1] + s[:-1], False).tolist()  # n+1 right after n
+    size, at = s.tolist(), sizes.tolist()
+    done = [False] * len(iovs)
+    run: list[int] = []
+    nbytes = 0
+    for n, i in enumerate(order.tolist()):
+        run.append(i)
+        nbytes += size[n]
+        if follows[n] and len(run) < PER_CALL and nbytes + size[n + 1] <= MAX_CALL_BYTES:
+            continue
+        got = call(fd, [b for k in run for b in iovs[k]], int(offsets[run[0]]))
+        for k in run:
+            got -= at[k]
+            if got < 0:
+                return done
+            done[k] = True
+        run, nbytes = [], 0
+    return done
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _io_errors(method: F) -> F:
+    """An ``OSError`` of the files (ENOSPC, EIO) leaves the tier as a ``TierError``."""
+    @functools.wraps(method)
+    def wrapped(self: DiskTier, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except OSError as e:
+            raise TierError(f"disk tier {self.path}: {e}") from e
+    return cast(F, wrapped)
+
+
+class DiskTier(Tier):
+    """Blocks in one slot file on a local disk, found again after a restart.
+
+    ``_lock`` guards the index, allocator, policy, counters and journal appends and is
+    never held across data-file I/O; ``_put_lock`` makes puts, journal fsyncs and
+    compactions one at a time, so a reader goes on while a put writes. A reader may see
+    its slot reused by a concurrent put: the header check makes that a miss.
+    """
+
+    name = "disk"
+    local = True
+    compact_min_records = 1024  # below this, the journal is never rewritten while open
+
+    def __init__(self, path: str, size: int, policy: str = "", extent_size: int = 64 << 20,
+                 min_slot_bytes: int = 4096, sync: bool = True) -> None:
+        self.path, self.size, self.sync = path, size, sync
+        try:
+            self.allocator = Allocator(size, extent_size, min_slot_bytes)
+            self.policy = make_policy(policy or DEFAULT_POLICY, self.allocator.max_slots)
+        except ValueError as e:  # AllocatorError included
+            raise ConfigError(f"disk tier at {path}: {e}") from None
+        self.geometry = DiskHeader(size, extent_size, min_slot_bytes)
+        self._lock = threading.Lock()
+        self._put_lock = threading.Lock()
+        self._entries: dict[bytes, DiskPut] = {}  # scoped key -> block; order: recency
+        self._backlog: list[Any] | None = None  # appended while a snapshot is written
+        self._records = 0  # records in the journal file
+        self._closed = False
+        self.counts = dict.fromkeys(("written_blocks", "read_blocks", "evicted_blocks",
+                                     "corrupt_blocks", "declined_blocks"), 0)
+        data = os.path.join(path, DATA_FILE)
+        try:
+            os.makedirs(path, exist_ok=True)
+            self._fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise ConfigError(f"disk tier: cannot create {data}: {e}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one daemon per file
+            reused = os.fstat(self._fd).st_size == size
+            self.journal = Journal(os.path.join(path, JOURNAL_FILE))
+        except OSError as e:
+            os.close(self._fd)
+            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            raise ConfigError(f"disk tier: {data} is in use by another process" if busy
+                              else f"disk tier: cannot open {data}: {e}") from None
+        try:
+            self.restored_blocks = self._restore(reused)
+            self._compact()
+        except OSError as e:
+            self.journal.close()
+            os.close(self._fd)
+            raise ConfigError(f"disk tier: cannot restore {path}: {e}") from None
+
+    # ------------------------------------------------------------ restart
+    def _restore(self, reused: bool) -> int:
+        """Rebuild the index from the journal, or start empty (truncating the file)."""
+        live, why = self._replay()
+        if live and not reused:
+            why = "the data file is missing or was resized"
+        if why:
+            log.warning("disk tier %s: starting empty: %s", self.path, why)
+            live = {}
+        if why or not reused:
+            os.ftruncate(self._fd, 0)  # drop old bytes (sparse again), then size it
+            os.ftruncate(self._fd, self.size)
+        for rec in live.values():  # in journal order
+            key = _scoped(rec.ns, rec.key)
+            try:
+                ok = (key not in self._entries and rec.slot_bytes == self._slot_bytes(
+                    rec.length) and self.allocator.claim(rec.slot, rec.slot_bytes))
+            except AllocatorError:
+                ok = False
+            if ok:
+                self._entries[key] = rec
+                self.policy.insert(key, rec.depth)
+        if len(self._entries) < len(live):
+            log.warning("disk tier %s: %d journaled blocks do not fit the geometry",
+                        self.path, len(live) - len(self._entries))
+        return len(self._entries)
+
+    def _replay(self) -> tuple[dict[int, DiskPut], str]:
+        """The live blocks the journal names (slot -> block, in journal order), or why
+        it cannot be used."""
+        records = read_records(self.journal.path, _DECODER)
+        first = next(records, None)
+        if first is None:
+            return {}, ""
+        if first != self.geometry:
+            return {}, (f"the geometry changed ({first} -> {self.geometry})"
+                        if isinstance(first, DiskHeader) else "the journal has no header")
+        live: dict[int, DiskPut] = {}
+        for rec in records:
+            if isinstance(rec, DiskPut | DiskDrop):
+                live.pop(rec.slot, None)  # a Put or Drop of a slot ends what it held
+                if isinstance(rec, DiskPut):
+                    live[rec.slot] = rec
+            elif rec != self.geometry:
+                break  # a second geometry: nothing after it can be trusted
+        return live, ""
+
+    def _slot_bytes(self, length: int) -> int:
+        need = max(HEADER_BYTES + length, self.allocator.min_slot_bytes)
+        return -(-need // PAGE) * PAGE
+
+    def _offsets(self, slots: list[int], sizes: np.ndarray) -> np.ndarray:
+        """Byte offsets of slots of any size classes (one numpy call per class)."""
+        out = np.array(slots, dtype=np.int64)
+        for slot_bytes in set(sizes.tolist()):
+            mask = sizes == slot_bytes
+            out[mask] = self.allocator.offsets(out[mask], slot_bytes)
+        return out
+
+    # ------------------------------------------------------------ index (under _lock)
+    def _append(self, records: Sequence[Any]) -> None:
+        if records:
+            self.journal.append(records)
+            self._records += len(records)
+            if self._backlog is not None:
+                self._backlog.extend(records)
+
+    def _drop(self, keys: Sequence[bytes]) -> list[int]:
+        """Take keys the policy already let go of out of the index; their slots."""
+        slots = [self._entries.pop(k).slot for k in keys]
+        self.allocator.free_many(slots)
+        return slots
+
+    def _make_room(self, slot_bytes: int, n: int) -> list[int]:
+        """Evict in policy order until ``n`` slots of ``slot_bytes`` are free: blocks of
+        that size first, then any (their extents free up). Returns the slots freed."""
+        alloc, policy, entries = self.allocator, self.policy, self._entries
+        short = n - alloc.free_slots(slot_bytes)
+        if short <= 0:
+            return []
+        if alloc.size_classes == 1:  # every block has this size
+            freed = self._drop(policy.evict(short))
+        else:
+            keys = list(islice((k for k in policy.victims()
+                                if entries[k].slot_bytes == slot_bytes), short))
+            policy.evicted_many(keys)
+            freed = self._drop(keys)
+        while alloc.free_slots(slot_bytes) < n and (keys := list(islice(policy.victims(),
+                                                                        64))):
+            policy.evicted_many(keys)
+            freed += self._drop(keys)
+        self.counts["evicted_blocks"] += len(freed)
+        return freed
+
+    # ------------------------------------------------------------ Tier
+    def contains(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            for i, key in enumerate(keys):
+                if _scoped(ns, key) not in self._entries:
+                    return i
+        return len(keys)
+
+    @_io_errors
+    def put(self, ns: bytes, blocks: Sequence[TierBlock]) -> int:
+        """Store the blocks not held yet, evicting for room; returns how many the tier
+        holds now (those already held included). Declines a block whose slot would not
+        fit an extent, or more blocks of one size than the file has slots for."""
+        with self._put_lock:
+            with self._lock:
+                self._check_open()
+                todo: dict[bytes, TierBlock] = {}
+                for b in blocks:
+                    if (k := _scoped(ns, b.key)) not in self._entries:
+                        todo.setdefault(k, b)
+            staged: dict[int, list[_Staged]] = {}  # by slot size; checksums lock-free
+            declined = 0
+            for k, b in todo.items():
+                view = memoryview(b.data).cast("B")
+                slot_bytes = self._slot_bytes(view.nbytes)
+                try:
+                    if slot_bytes > self.allocator.extent_bytes:
+                        raise ValueError("larger than an extent")
+                    h = BlockHeader.of(ns, b.key, view, b.depth)
+                    staged.setdefault(slot_bytes, []).append(
+                        _Staged(k, b, view, h.pack(), h.checksum, slot_bytes))
+                except ValueError:  # too large, or a key that does not fit a header
+                    declined += 1
+            return len(blocks) - len(todo) + self._store(ns, staged, declined)
+
+    def _store(self, ns: bytes, staged: dict[int, list[_Staged]], declined: int) -> int:
+        placed: list[_Staged] = []
+        slots: list[int] = []
+        with self._lock:
+            dropped: list[int] = []
+            for slot_bytes, items in staged.items():
+                items = items[:self.allocator.total_slots(slot_bytes)]
+                dropped += self._make_room(slot_bytes, len(items))
+                got = self.allocator.alloc_many(slot_bytes, len(items))
+                placed += items[:len(got)]
+                slots += got
+            self.counts["declined_blocks"] += (declined + sum(map(len, staged.values()))
+                                               - len(placed))
+            try:
+                self._append([DiskDrop(s) for s in dropped])  # before the slots are reused
+            except OSError:
+                self.allocator.free_many(slots)
+                raise
+        if not placed:
+            return 0
+        try:
+            sizes = np.array([w.slot_bytes for w in placed], dtype=np.int64)
+            iovs = [[w.head, w.view, *_pad(w.slot_bytes - HEADER_BYTES - w.view.nbytes)]
+                    for w in placed]
+            if not all(_vectored(os.pwritev, self._fd, iovs, self._offsets(slots, sizes),
+                                 sizes)):
+                raise OSError(errno.EIO, "short write")
+            if self.sync:
+                os.fdatasync(self._fd)
+            puts = [DiskPut(ns, w.block.key, s, w.slot_bytes, w.view.nbytes, w.checksum,
+                            w.block.depth) for w, s in zip(placed, slots)]
+            with self._lock:
+                self._append(puts)
+        except OSError:
+            with self._lock:
+                self.allocator.free_many(slots)
+            raise
+        with self._lock:
+            for w, p in zip(placed, puts):
+                self._entries[w.scoped] = p
+                self.policy.insert(w.scoped, p.depth)
+            self.counts["written_blocks"] += len(puts)
+            compact = self._records > max(self.compact_min_records, 4 * len(self._entries))
+        if self.sync:
+            self.journal.sync()
+        if compact:
+            self._compact()
+        return len(puts)
+
+    @_io_errors
+    def get_into(self, ns: bytes, keys: Sequence[bytes], outs: Sequence[Any]) -> int:
+        """Read the leading run of held ``keys`` into ``outs``, each verified against
+        its header; a block that fails is forgotten and ends the run."""
+        with self._lock:
+            self._check_open()
+            run: list[DiskPut] = []
+            for key, out in zip(keys, outs):
+                e = self._entries.get(_scoped(ns, key))
+                if e is None or memoryview(out).nbytes != e.length:
+                    break
+                run.append(e)
+        if not run:
+            return 0
+        views = [memoryview(o).cast("B") for o in outs[:len(run)]]
+        heads = [memoryview(bytearray(HEADER_BYTES)) for _ in run]
+        pads = [e.slot_bytes - HEADER_BYTES - e.length for e in run]
+        scratch = memoryview(bytearray(max(pads)))  # the padding lands here
+        iovs = [[h, v, *_pad(p, scratch)] for h, v, p in zip(heads, views, pads)]
+        sizes = np.array([e.slot_bytes for e in run], dtype=np.int64)
+        full = _vectored(os.preadv, self._fd, iovs,
+                         self._offsets([e.slot for e in run], sizes), sizes)
+        ok, bad = 0, None
+        for e, whole, head, view in zip(run, full, heads, views):
+            if not whole:
+                break
+            h = BlockHeader.unpack(head)
+            if h is None or not h.matches(ns, e.key, view):
+                bad = e
+                break
+            ok += 1
+        with self._lock:
+            entries = self._entries
+            if bad is not None and entries.get(k := _scoped(ns, bad.key)) is bad:
+                # Still the block we read (not evicted and reused meanwhile): corrupt.
+                self.policy.remove(k)
+                self._drop([k])
+                self.counts["corrupt_blocks"] += 1
+                self._append([DiskDrop(bad.slot)])
+            alive = [k for e in run[:ok] if entries.get(k := _scoped(ns, e.key)) is e]
+            if alive:
+                self.policy.touch(alive, entries[alive[0]].depth)
+                for k in alive:  # most recent last: a compaction keeps the order
+                    entries[k] = entries.pop(k)
+            self.counts["read_blocks"] += ok
+        return ok
+
+    # ------------------------------------------------------------ upkeep
+    def _compact(self) -> None:
+        """Rewrite the journal as the live Puts (in recency order). The snapshot is
+        written without ``_lock``, so reads go on; a Drop they append is carried over."""
+        with self._lock:
+            snap: list[Any] = [self.geometry, *self._entries.values()]
+            self._backlog = []
+        try:
+            self.journal.write_snapshot(snap)
+        except BaseException:
+            with self._lock:
+                self._backlog = None
+            raise
+        with self._lock:
+            backlog, self._backlog = self._backlog or [], None
+            self.journal.swap_snapshot(backlog)
+            self._records = len(snap) + len(backlog)
+        if self.sync:  # the rename survives a reboot
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError(f"disk tier {self.path} is closed")
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"path": self.path, "blocks": len(self._entries),
+                    "bytes": self.allocator.used_bytes,
+                    "capacity_bytes": self.allocator.capacity_bytes,
+                    "restored_blocks": self.restored_blocks, **self.counts}
+
+    def close(self) -> None:
+        """Sync, compact the journal, release the files; a second call does nothing."""
+        with self._put_lock:
+            if self._closed:
+                return
+            try:
+                if self.sync:
+                    os.fdatasync(self._fd)
+                    self.journal.sync()
+                self._compact()
+            except OSError as e:
+                log.warning("disk tier %s: closing: %s", self.path, e)
+            finally:
+                with self._lock:
+                    self._closed = True
+                    self._entries.clear()
+                    self.journal.close()
+                    os.close(self._fd)
