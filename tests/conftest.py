@@ -119,3 +119,43 @@ def daemon_factory(tmp_path: Path) -> Iterator:
 @pytest.fixture
 def daemon(daemon_factory) -> Daemon:
     return daemon_factory()
+
+
+# ------------------------------------------------------------ real Redis servers
+def _need_redis() -> None:
+    """Skip without redis-server, but fail where the suite must run everything (CI)."""
+    from tests.redis_servers import available
+
+    reason = available()
+    if reason is None:
+        return
+    if os.environ.get("KVD_E2E_REQUIRE") == "1":
+        pytest.fail(f"KVD_E2E_REQUIRE=1: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A 3-master cluster on loopback, shared by the session; a test that stops it
+    starts it again (in a ``finally``)."""
+    _need_redis()
+    from tests.redis_servers import RedisCluster
+
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator:
+    """One standalone (non-cluster) redis-server."""
+    _need_redis()
+    from tests.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        server.close()

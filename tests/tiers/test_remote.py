@@ -1,0 +1,285 @@
+"""The remote tier against a real 3-master Redis cluster (and one standalone server):
+batches spread over every master, only verified bytes ever reach a buffer, and a
+stopped or hung cluster costs a bounded time, then nothing, until it is back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+
+import numpy as np
+import pytest
+import redis
+
+from kvd.errors import ConfigError, TierError
+from kvd.tiers.base import HEADER_BYTES, TierBlock, make_tier
+from kvd.tiers.remote import RedisTier, parse_urls
+
+SIZE = 4096
+SENTINEL = 0xAA
+
+
+def _ns() -> bytes:
+    return uuid.uuid4().hex.encode()  # a fresh tenant per test: the cluster is shared
+
+
+def _blocks(n: int, seed: int = 0, prefix: str = "k") -> list[TierBlock]:
+    rng = np.random.default_rng(seed)
+    return [TierBlock(f"{prefix}{i}".encode(), i, rng.integers(0, 256, SIZE, np.uint8))
+            for i in range(n)]
+
+
+def _outs(n: int, size: int = SIZE) -> list[np.ndarray]:
+    return [np.full(size, SENTINEL, np.uint8) for _ in range(n)]
+
+
+def _key(ns: bytes, key: bytes) -> bytes:
+    return b"kvd:" + ns + b":" + key
+
+
+@pytest.fixture
+def tier(redis_cluster):
+    t = RedisTier(redis_cluster.url, timeout_ms=500)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def raw(redis_cluster):
+    """A plain redis-py cluster client, to look at and tamper with what the tier wrote."""
+    c = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+    yield c
+    c.close()
+
+
+# ------------------------------------------------------------ configuration
+def test_urls_are_validated_and_nothing_connects_at_construction():
+    assert parse_urls("redis://10.0.0.5:6379,10.0.0.6:6380") == [("10.0.0.5", 6379),
+                                                                 ("10.0.0.6", 6380)]
+    assert parse_urls("redis://a:1, redis://b.example:2") == [("a", 1), ("b.example", 2)]
+    assert parse_urls("redis://[::1]:7000") == [("::1", 7000)]
+    for bad in ("10.0.0.5:6379", "redis://host", "redis://h:99999", "redis://h:1,",
+                "http://h:1", "redis://h:1,b:x", "redis://u:p@h:1"):
+        with pytest.raises(ConfigError, match="remote"):
+            RedisTier(bad)
+    # Nothing listens there: the daemon still starts, the first call fails.
+    t = make_tier("redis", urls="redis://127.0.0.1:1", timeout_ms=100)
+    assert isinstance(t, RedisTier) and t.local is False
+    assert t.status()["state"] == "unconnected" and t.status()["cluster"] is None
+    with pytest.raises(TierError, match="127.0.0.1:1"):
+        t.contains(b"ns", [b"k"])
+
+
+# ------------------------------------------------------------ data
+def test_round_trip_spreads_over_all_masters(tier, redis_cluster):
+    ns, blocks = _ns(), _blocks(200)
+    keys = [b.key for b in blocks]
+    assert tier.put(ns, blocks) == 200
+    per_node = [int(redis_cluster.node_cli(i, "EVAL",
+                                           f"return #redis.call('KEYS','kvd:{ns.decode()}:*')",
+                                           "0")) for i in range(3)]
+    assert sum(per_node) == 200 and min(per_node) > 30, per_node  # no hash tag
+    assert all(int(redis_cluster.node_cli(i, "DBSIZE")) > 0 for i in range(3))
+
+    assert tier.contains(ns, keys) == 200
+    assert tier.contains(ns, keys[:50] + [b"absent"] + keys[50:]) == 50  # the leading run
+    outs = _outs(200)
+    assert tier.get_into(ns, keys, outs) == 200
+    assert all(np.array_equal(o, b.data) for o, b in zip(outs, blocks))
+    st = tier.status()
+    assert (st["state"], st["cluster"], st["written_blocks"], st["read_blocks"]) == \
+        ("closed", True, 200, 200)
+
+    other, outs = _ns(), _outs(3)
+    assert tier.contains(other, keys) == 0
+    assert tier.get_into(other, keys[:3], outs) == 0
+    assert all((o == SENTINEL).all() for o in outs)
+
+
+def test_a_ttl_is_set_unless_zero(redis_cluster, raw):
+    ns = _ns()
+    with closing(RedisTier(redis_cluster.url, ttl_s=60)) as t:
+        t.put(ns, _blocks(3, prefix="ttl"))
+    assert 0 < raw.pttl(_key(ns, b"ttl0")) <= 60_000
+    with closing(RedisTier(redis_cluster.url, ttl_s=0)) as t:
+        t.put(ns, _blocks(3, prefix="forever"))
+    assert raw.pttl(_key(ns, b"forever0")) == -1  # exists, no TTL
+
+
+def test_a_corrupt_value_ends_the_run_and_is_forgotten(tier, redis_cluster, raw):
+    ns = _ns()
+    blocks = [TierBlock(f"c{i}".encode(), i, np.full(SIZE, ord("A") + i, np.uint8))
+              for i in range(10)]
+    keys = [b.key for b in blocks]
+    assert tier.put(ns, blocks) == 10
+    name = _key(ns, b"c5")
+    at = HEADER_BYTES + 100
+    assert raw.getrange(name, at, at) == b"F"
+    redis_cluster.cli("SETRANGE", name.decode(), str(at), "G")  # one payload byte flipped
+    outs = _outs(10)
+    assert tier.get_into(ns, keys, outs) == 5
+    assert all(np.array_equal(o, b.data) for o, b in zip(outs[:5], blocks))
+    assert all((o == SENTINEL).all() for o in outs[5:])  # no wrong byte copied
+    assert raw.exists(name) == 0
+    assert tier.status()["corrupt_blocks"] == 1
+    assert tier.contains(ns, keys) == 5  # forgotten
+
+
+def test_foreign_and_wrong_sized_values_are_misses(tier, raw):
+    ns, blocks = _ns(), _blocks(4)
+    keys = [b.key for b in blocks]
+    assert tier.put(ns, blocks) == 4
+    raw.set(_key(ns, b"k1"), os.urandom(SIZE + HEADER_BYTES))  # arbitrary bytes
+    raw.set(_key(ns, b"k2"), raw.get(_key(ns, b"k3")))  # a valid block, of another key
+    outs = _outs(4)
+    assert tier.get_into(ns, keys, outs) == 1
+    assert (outs[1] == SENTINEL).all()
+    assert tier.get_into(ns, keys[2:], _outs(2)) == 0  # the header names k3, not k2
+    short = _outs(1, SIZE - 1)
+    assert tier.get_into(ns, keys[3:], short) == 0  # the right block, the wrong buffer
+    assert (short[0] == SENTINEL).all()
+    assert tier.status()["corrupt_blocks"] == 3
+
+
+def test_a_slot_moved_after_connecting_is_followed(tier, redis_cluster, raw):
+    """The tier's slot map says A, the cluster now says B: MOVED, re-sent to B."""
+    ns, blocks = _ns(), _blocks(40, prefix="m")
+    assert tier.put(ns, blocks[:1]) == 1  # connected: the slot map is cached
+    ids = [redis_cluster.node_cli(i, "CLUSTER", "MYID") for i in range(3)]
+    ports = redis_cluster.ports
+    for block in blocks[1:]:  # a key in a slot no other test wrote to
+        name = _key(ns, block.key)
+        slot = raw.keyslot(name)
+        owner = ports.index(raw.get_node_from_key(name).port)
+        if raw.cluster_countkeysinslot(slot) == 0:
+            break
+    else:
+        pytest.skip("no empty slot among 39 keys")
+    to = (owner + 1) % 3
+
+    def assign(node: int) -> None:
+        for i in (node, *(j for j in range(3) if j != node)):
+            redis_cluster.node_cli(i, "CLUSTER", "SETSLOT", str(slot), "NODE", ids[node])
+
+    assign(to)
+    try:
+        assert tier.put(ns, [block]) == 1
+        assert redis_cluster.node_cli(to, "EXISTS", name.decode()) == "1"
+        outs = _outs(1)
+        assert tier.get_into(ns, [block.key], outs) == 1
+        assert np.array_equal(outs[0], block.data)
+        assert tier.status()["errors"] == 0
+    finally:
+        redis_cluster.node_cli(to, "DEL", name.decode())
+        assign(owner)
+
+
+def test_a_standalone_server_works_too(redis_server):
+    ns, blocks = _ns(), _blocks(20)
+    with closing(RedisTier(redis_server.url, max_batch=8)) as t:
+        assert t.put(ns, blocks) == 20
+        outs = _outs(20)
+        assert t.get_into(ns, [b.key for b in blocks], outs) == 20
+        assert all(np.array_equal(o, b.data) for o, b in zip(outs, blocks))
+        assert t.status()["cluster"] is False and t.status()["state"] == "closed"
+    assert int(redis_server.cli("DBSIZE")) == 20
+
+
+def test_one_thread_puts_while_another_reads(tier):
+    ns, done, stop = _ns(), [], threading.Event()
+    reads = [0]
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            batch = _blocks(16, seed=i, prefix=f"w{i}-")
+            assert tier.put(ns, batch) == 16
+            done.append(batch)
+            assert tier.put(ns, done[i // 2]) == 16  # rewrites what the reader may read
+            i += 1
+
+    def reader() -> None:
+        rng = np.random.default_rng(1)
+        while not stop.is_set():
+            if not done:
+                time.sleep(0.001)
+                continue
+            batch = done[int(rng.integers(len(done)))]
+            outs = _outs(len(batch))
+            assert tier.get_into(ns, [b.key for b in batch], outs) == len(batch)
+            assert all(np.array_equal(o, b.data) for o, b in zip(outs, batch))
+            reads[0] += len(batch)
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(writer), pool.submit(reader)]
+        time.sleep(1.0)
+        stop.set()
+        for job in jobs:
+            job.result(10)  # re-raises a failed assertion of either thread
+    assert len(done) > 5 and reads[0] > 50
+    st = tier.status()
+    assert st["errors"] == 0 and st["corrupt_blocks"] == 0
+
+
+# ------------------------------------------------------------ failures
+def test_a_stopped_cluster_fails_fast_then_not_at_all_then_recovers(redis_cluster):
+    now = [1000.0]
+    t = RedisTier(redis_cluster.url, timeout_ms=200, breaker_failures=3,
+                  breaker_cooldown_s=5.0, clock=lambda: now[0])
+    ns, blocks = _ns(), _blocks(8)
+    keys = [b.key for b in blocks]
+    assert t.put(ns, blocks) == 8
+    redis_cluster.stop()
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(TierError, match="redis"):
+                t.get_into(ns, keys, _outs(8))
+            assert time.monotonic() - t0 < 3.0
+        st = t.status()
+        assert st["state"] == "open" and st["errors"] == 3 and st["last_error"]
+        for call in (lambda: t.contains(ns, keys), lambda: t.put(ns, blocks)):
+            t0 = time.monotonic()
+            with pytest.raises(TierError, match="breaker open"):
+                call()
+            assert time.monotonic() - t0 < 0.05
+        assert t.status()["errors"] == 3  # no network was tried
+        now[0] += 5.0  # half open: one call goes out, fails, and opens it again
+        assert t.status()["state"] == "half_open"
+        with pytest.raises(TierError):
+            t.contains(ns, keys)
+        assert t.status()["state"] == "open" and t.status()["errors"] == 4
+    finally:
+        redis_cluster.start()
+    with pytest.raises(TierError, match="breaker open"):  # back, but the cooldown runs
+        t.contains(ns, keys)
+    now[0] += 5.0
+    assert t.put(ns, blocks) == 8  # the trial call: it closes the breaker
+    assert t.status()["state"] == "closed"
+    assert t.contains(ns, keys) == 8
+    t.close()
+
+
+def test_a_hung_node_costs_a_timeout_naming_it(redis_cluster):
+    ns, blocks = _ns(), _blocks(64)
+    keys = [b.key for b in blocks]
+    with closing(RedisTier(redis_cluster.url, timeout_ms=200)) as t:
+        assert t.put(ns, blocks) == 64
+        node = redis_cluster.nodes[1]
+        os.kill(node.proc.pid, signal.SIGSTOP)  # accepts connections, never answers
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TierError, match=str(node.port)):
+                t.get_into(ns, keys, _outs(64))
+            assert time.monotonic() - t0 < 1.0  # one timeout, not one per key
+        finally:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        redis_cluster.wait_ok()
+        assert t.contains(ns, keys) == 64
+        assert t.status()["state"] == "closed"
+
