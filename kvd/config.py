@@ -69,6 +69,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     events_node: str = ""  # the node's name in topics; "" is the host name
     events_int_hashes: bool = True  # hashes as 64-bit ints, like vLLM's default
     events_hwm: int = 100_000  # batches queued per subscriber before it misses some
+    # Tiers below the pool (README "Tiers"); each is off while its key is empty.
+    disk_path: str = ""  # directory of the disk tier: evicted blocks go there
+    disk_size: int = 0  # bytes of the disk tier's slot file (required with disk_path)
+    disk_policy: str = ""  # the disk tier's eviction policy; empty: the registry's default
+    remote: str = ""  # redis://HOST:PORT[,HOST:PORT...]: a Redis/Valkey (cluster) shared by nodes
+    remote_ttl_s: int = 86_400  # a block's TTL in the cluster; 0: the cluster's eviction only
+    remote_timeout_ms: int = 500  # per cluster round trip
+    remote_lookup_ms: int = 20  # a Lookup waits at most this long for the cluster's answer
+    tier_queue_bytes: int = 256 * 1024**2  # per tier: bytes queued to go down; beyond, dropped
+    promote_max_blocks: int = 512  # blocks one Lookup may bring up from the tiers
 
     def __post_init__(self) -> None:
         if self.pool_size < self.extent_size:
@@ -96,6 +106,17 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                              f"{{model}} and {{tenant}} ({e})") from None
         if self.events_hwm < 1:
             raise ValueError("events_hwm must be at least 1")
+        if self.disk_path and self.disk_size < self.extent_size:
+            raise ValueError(f"disk_size ({self.disk_size}) must hold at least one extent "
+                             f"({self.extent_size} bytes) when disk_path is set")
+        if self.remote and not all(u.strip() for u in self.remote.split(",")):
+            raise ValueError(f"remote {self.remote!r}: expected redis://HOST:PORT[,HOST:PORT...]")
+        for key in ("remote_timeout_ms", "remote_lookup_ms", "tier_queue_bytes",
+                    "promote_max_blocks"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1")
+        if self.remote_ttl_s < 0:
+            raise ValueError("remote_ttl_s must be 0 (no TTL) or more")
 
     @property
     def journal(self) -> str:
@@ -109,7 +130,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 FIELDS = frozenset(Config.__struct_fields__)
 LIST_KEYS = frozenset({"allowed_uids", "allowed_groups", "admin_uids"})
-SIZE_KEYS = frozenset({"pool_size", "extent_size", "min_slot_bytes"})
+SIZE_KEYS = frozenset({"pool_size", "extent_size", "min_slot_bytes", "disk_size",
+                       "tier_queue_bytes"})
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 

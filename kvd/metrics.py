@@ -55,6 +55,22 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),
     ("kvd_expired_pending", "expired_pending", "Pending stores dropped at their deadline"),
     ("kvd_no_space", "no_space", "Allocations that found no room"),
+    # Tiers below the pool (README "Tiers").
+    ("kvd_demoted_blocks", "demoted_blocks", "Evicted blocks kept by the disk tier"),
+    ("kvd_demote_dropped_blocks", "demote_dropped",
+     "Evicted blocks that did not go down (queue full, tier error)"),
+    ("kvd_written_behind_blocks", "written_behind_blocks",
+     "Blocks written to the remote tier"),
+    ("kvd_write_behind_dropped_blocks", "write_behind_dropped",
+     "Blocks not written to the remote tier (queue full, tier error)"),
+    ("kvd_promoted_blocks", "promoted_blocks", "Blocks brought up into the pool from a tier"),
+    ("kvd_disk_hit_blocks", "disk_hit_blocks", "Blocks promoted from the disk tier"),
+    ("kvd_remote_hit_blocks", "remote_hit_blocks", "Blocks promoted from the remote tier"),
+    ("kvd_promote_failed_blocks", "promote_failed",
+     "Promotions given up (missing, corrupt, tier error)"),
+    ("kvd_remote_probe_timeouts", "probe_timeouts",
+     "Lookups answered before the remote tier did"),
+    ("kvd_tier_errors", "tier_errors", "Tier operations that failed"),
 )
 
 
@@ -119,6 +135,22 @@ class StatusCollector(Collector):
         yield from self._gauges(st)
         yield from self._tenants(st.get("tenants", []))
         yield from self._events(st.get("events", {}))
+        yield from self._tiers(st.get("tiers", {}))
+
+    @staticmethod
+    def _tiers(tiers: dict[str, Any]) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily("kvd_tier_blocks", "Blocks held per tier", labels=["tier"])
+        used = GaugeMetricFamily("kvd_tier_bytes", "Bytes held per tier", labels=["tier"])
+        cap = GaugeMetricFamily("kvd_tier_capacity_bytes", "Capacity per tier (where known)",
+                                labels=["tier"])
+        up = GaugeMetricFamily("kvd_tier_up", "1 when the tier is usable (breaker closed)",
+                               labels=["tier"])
+        for name, t in sorted(tiers.items()):
+            for fam, key in ((blocks, "blocks"), (used, "bytes"), (cap, "capacity_bytes")):
+                if isinstance(t.get(key), int):
+                    fam.add_metric([name], t[key])
+            up.add_metric([name], 0 if t.get("state") == "open" else 1)
+        yield from (blocks, used, cap, up)
 
     @staticmethod
     def _counters(c: dict[str, Any]) -> Iterator[Metric]:

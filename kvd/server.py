@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import stat
+import time
 
 import msgspec
 import zmq
@@ -28,6 +29,7 @@ from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
 from kvd.pool import Pool
 from kvd.service import Service
+from kvd.tiers.tiering import Tiering
 from kvd.transfers import Client
 from kvd_proto import messages as m
 
@@ -60,6 +62,11 @@ class Server:
                                       if config.persist else "indexing", config.pool_size):
             self.service = Service(config, self.pool, self.engines, self._send)
         self.service.extra_status = self._extra_status
+        if config.disk_path or config.remote:
+            with self.lifecycle.preparing("opening the tiers", 0):
+                self.service.tiering = Tiering(
+                    config, self.service.index, self.pool.array,
+                    self.loop.call_soon_threadsafe, self.loop.call_later, time.monotonic)
         self.service.transfers.on_finished = self.lifecycle.transfer_done
         self.service.on_client = self._watch
         self.kv_events = self.service.kv_events
@@ -263,6 +270,8 @@ class Server:
             self.kv_events.close()
         for engine in self.engines.values():
             engine.close()
+        if self.service.tiering is not None:  # queued writes finish, then the tiers close
+            self.service.tiering.close()
         if self.pinner is not None:
             self.pinner.release()
         for fd in self._pidfds.values():

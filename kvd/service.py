@@ -31,6 +31,7 @@ from kvd.persist import Persistence
 from kvd.pool import Pool
 from kvd.publisher import KvEvents
 from kvd.status import Sources, status_document
+from kvd.tiers.tiering import TierCounters, Tiering
 from kvd.transfers import Client, Counters, Transfers, own_slots
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32
@@ -73,6 +74,7 @@ class Service:
         self.transfers = Transfers(config, self.index, pool.base, send, clock, self.counters,
                                    committed=self._journal, clients=self.clients,
                                    stopping=lambda: self.stopping)
+        self.tiering: Tiering | None = None  # set by the server when tiers are configured
         self._next_client = 1
         self.on_client = None  # set by the server: watch a new client's pid
         self.extra_status: Callable[[], dict] = dict  # the shell adds what it owns
@@ -95,7 +97,10 @@ class Service:
         return self.transfers.inflight
 
     def _journal(self) -> None:
-        """The index's queued changes go to the journal and the KV event stream."""
+        """The index's queued changes go to the journal, the KV event stream and the
+        tiers (evicted blocks are copied out before the reply hands their slots out)."""
+        if self.tiering is not None:
+            self.tiering.after_changes()
         if self.kv_events is not None and self.index.events:
             self.kv_events.add(self.index.events)
             if self.persist is None:
@@ -296,7 +301,12 @@ class Service:
         tokens = self._block_tokens.get(tenant.id, 0)
         self.counters.lookup_tokens += len(msg.keys) * tokens
         self.counters.hit_tokens += hits * tokens
-        return m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)
+        reply = m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)
+        if self.tiering is not None and hits + pending < len(msg.keys):
+            identity = client.identity
+            return self.tiering.lookup(tenant, msg.keys, msg.depth, reply,
+                                       lambda r: self.send(identity, r))
+        return reply
 
     def _allocate(self, client: Client, tenant: Tenant, msg: m.Allocate) -> m.Reply:
         self._check_keys(msg.keys)
@@ -364,8 +374,12 @@ class Service:
 
     def status(self) -> dict:
         events = self.kv_events.status() if self.kv_events else {"enabled": False}
-        return status_document(Sources(
+        tiers = self.tiering.status() if self.tiering else {}
+        doc = status_document(Sources(
             self.instance, self.started, self.policy_name, self.pool, self.index,
             self.tenants, self.clients.values(), self.counters, self.inflight, self.persist,
-            {"events": events, **self.extra_status()}))
+            {"events": events, "tiers": tiers, **self.extra_status()}))
+        tc = self.tiering.counter_values() if self.tiering else TierCounters().values()
+        doc["counters"].update(tc)
+        return doc
 

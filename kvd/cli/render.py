@@ -86,8 +86,32 @@ def status_text(st: dict[str, Any]) -> str:
         f"errors   {c['errors']}" + (f" ({errors})" if errors else ""),
         f"clients  {len(st['clients'])}{by_kind(st['clients'])}  tenants {len(st['tenants'])}"
         + (f"  metrics {st['metrics']}" if st.get("metrics") else ""),
+        *tiers_lines(st),
     ]
     return "\n".join(lines)
+
+
+def tiers_lines(st: dict[str, Any]) -> list[str]:
+    """One line per tier below the pool, and what moved between them."""
+    tiers, c = st.get("tiers") or {}, st["counters"]
+    lines = []
+    if "disk" in tiers:
+        d = tiers["disk"]
+        lines.append(f"disk     {size(d.get('bytes', 0))} of {size(d.get('capacity_bytes', 0))}"
+                     f"  {d.get('blocks', 0)} blocks  {d.get('path', '')}")
+    if "remote" in tiers:
+        r = tiers["remote"]
+        lines.append(f"remote   {r.get('state', '?')}  written {r.get('written_blocks', 0)}  "
+                     f"read {r.get('read_blocks', 0)}  corrupt {r.get('corrupt_blocks', 0)}  "
+                     f"errors {r.get('errors', 0)}  {r.get('urls', '')}")
+    if tiers:
+        lines.append(f"tiering  demoted {c.get('demoted_blocks', 0)} (dropped "
+                     f"{c.get('demote_dropped', 0)})  written behind "
+                     f"{c.get('written_behind_blocks', 0)} (dropped "
+                     f"{c.get('write_behind_dropped', 0)})  promoted disk "
+                     f"{c.get('disk_hit_blocks', 0)} remote {c.get('remote_hit_blocks', 0)}"
+                     f" (failed {c.get('promote_failed', 0)})")
+    return lines
 
 
 def rates(prev: dict[str, Any] | None, cur: dict[str, Any], seconds: float) -> dict[str, float]:

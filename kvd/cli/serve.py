@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay socket for missed event batches, e.g. tcp://*:5558")
     s.add_argument("--events-hwm", type=int, metavar="N",
                    help="event batches queued per subscriber before it misses some")
+    s.add_argument("--disk-path", metavar="DIR",
+                   help="disk tier: evicted blocks go to a slot file in DIR (default: off)")
+    s.add_argument("--disk-size", metavar="SIZE", help="disk tier size, e.g. 500G")
+    s.add_argument("--remote", metavar="URLS",
+                   help="remote tier: redis://HOST:PORT[,HOST:PORT...] of a Redis/Valkey "
+                        "cluster shared by the fleet (default: off)")
     return p
 
 

@@ -34,6 +34,8 @@ class Table(Protocol):
     checksums: dict[int, list[int]]
     record: bool
     events: list[tuple]
+    demoted: list[tuple] | None
+    _depth: np.ndarray
     _slot_key: dict[int, bytes]
     _slot_tenant: dict[int, Tenant]
     _ready: dict[int, dict[bytes, int]]
@@ -116,6 +118,9 @@ class Evictor:
         slots = list(map(ix.entries.__getitem__, keys))
         if not told:
             ix.policy.evicted_many(keys)
+        if ix.demoted is not None and slots:  # READY victims may go down a tier
+            ix.demoted.append((list(map(ix._slot_tenant.__getitem__, slots)),
+                               list(map(unscoped, keys)), slots, ix._depth[slots].tolist()))
         self.drop_many(slots, victims=True, caller=tenant, out=out)
         ix.counters.evicted_blocks += len(keys)
         return len(keys)

@@ -107,6 +107,12 @@ class Index:
         # ("commit", tenant, key, slot, depth, sums, parent key | None)
         # | ("drop", slot, tenant, key)
         self.events: list[tuple] = []
+        # For the tiers (None: off). ``fresh``: runs of blocks that became READY, as
+        # (tenant, keys, slots, depth of keys[0]); ``demoted``: READY blocks evicted for
+        # room, as (tenants, keys, slots, depths), whose bytes stay in their slots until
+        # the caller's reply hands the slots out again.
+        self.fresh: list[tuple[Tenant, list[bytes], list[int], int]] | None = None
+        self.demoted: list[tuple[list[Tenant], list[bytes], list[int], list[int]]] | None = None
         self.evictor = Evictor(self)  # what leaves the cache, and when a slot is free
 
     # ------------------------------------------------------------ queries
@@ -342,7 +348,10 @@ class Index:
                     end += 1
             self.policy.insert_many(keys[start:end], d0, p.length)
             ready = self._ready.setdefault(p.tenant.id, {})
-            ready.update(zip(map(unscoped, keys[start:end]), slots[start:end]))
+            plain = list(map(unscoped, keys[start:end]))
+            ready.update(zip(plain, slots[start:end]))
+            if self.fresh is not None:
+                self.fresh.append((p.tenant, plain, slots[start:end], d0))
             p.tenant.blocks += end - start
             self._count(self.pending_by, p.owner, start - end)
             start = end
