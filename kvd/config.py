@@ -76,7 +76,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     remote: str = ""  # redis://HOST:PORT[,HOST:PORT...]: a Redis/Valkey (cluster) shared by nodes
     remote_ttl_s: int = 86_400  # a block's TTL in the cluster; 0: the cluster's eviction only
     remote_timeout_ms: int = 500  # per cluster round trip
-    remote_lookup_ms: int = 20  # a Lookup waits at most this long for the cluster's answer
+    remote_lookup_ms: int = 20  # a Lookup waits at most this long for the cluster (0: never)
     tier_queue_bytes: int = 256 * 1024**2  # per tier: bytes queued to go down; beyond, dropped
     promote_max_blocks: int = 512  # blocks one Lookup may bring up from the tiers
 
@@ -111,8 +111,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                              f"({self.extent_size} bytes) when disk_path is set")
         if self.remote and not all(u.strip() for u in self.remote.split(",")):
             raise ValueError(f"remote {self.remote!r}: expected redis://HOST:PORT[,HOST:PORT...]")
-        for key in ("remote_timeout_ms", "remote_lookup_ms", "tier_queue_bytes",
-                    "promote_max_blocks"):
+        if self.remote_lookup_ms < 0:
+            raise ValueError("remote_lookup_ms must be 0 (never wait) or more")
+        for key in ("remote_timeout_ms", "tier_queue_bytes", "promote_max_blocks"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1")
         if self.remote_ttl_s < 0:

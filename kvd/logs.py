@@ -64,3 +64,6 @@ def setup_logging(level: str, stream: TextIO | None = None) -> None:
     handler.setFormatter(OneLineFormatter(fmt, multiline=tty,
                                           priority=not tty and stream_is_journal(stream)))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    # The Redis client logs every topology refresh and handshake at DEBUG; kvd's own
+    # tier log says what matters (failures, the breaker).
+    logging.getLogger("redis").setLevel(logging.INFO)

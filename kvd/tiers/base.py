@@ -95,6 +95,8 @@ class Tier(ABC):
       leading blocks it read *verified* (header and xxh3). A missing, corrupt, foreign
       or wrong-sized value ends the run; a corrupt one is forgotten.
     - Errors that make the tier unusable raise ``TierError``; one bad block never does.
+    - ``connect()`` gets ready ahead of the first request (on a tier thread, once, at
+      start); a failure there is counted, never fatal: the next call tries again.
     - ``status()`` is a JSON-able dict with at least ``blocks`` and ``bytes`` where the
       tier knows them; ``close()`` flushes what must survive and releases resources.
     """
@@ -113,6 +115,9 @@ class Tier(ABC):
 
     @abstractmethod
     def status(self) -> dict[str, Any]: ...
+
+    def connect(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

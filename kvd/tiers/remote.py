@@ -143,6 +143,10 @@ class RedisTier(Tier):
                 break
         return run
 
+    def connect(self) -> None:
+        """Discover the cluster's topology now, so the first Lookup does not pay for it."""
+        self._call("connect", [])
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"state": self._state(), "urls": self.urls, "cluster": self._cluster,

@@ -13,7 +13,8 @@ bounded in bytes; what does not fit is dropped and counted.
 
 Up. A Lookup whose RAM run ends early asks the tiers for the leading run of the keys
 after it: the disk tier answers from memory; the remote tier is probed on its reader
-thread and the Lookup's reply waits at most ``remote_lookup_ms`` for it. A found run
+thread and the Lookup's reply waits at most ``remote_lookup_ms`` for it (a run found
+later still comes up, for the next Lookup of that prefix). A found run
 gets PENDING slots, pinned, that the reader thread fills and verifies; the reply counts
 them as ``pending``, so the engine asks again and loads them from RAM once READY. A
 failed read gives the slots up: the engine's next Lookup reads a miss.
@@ -135,6 +136,9 @@ class Tiering:
                 timeout_ms=config.remote_timeout_ms)
         self.readers = {n: _Worker(f"kvd-{n}-read", post) for n in self.tiers}
         self.writers = {n: _Worker(f"kvd-{n}-write", post) for n in self.tiers}
+        for name, tier in self.tiers.items():  # e.g. the cluster's topology, before a Lookup
+            self.readers[name].submit(tier.connect, lambda _, err, name=name: (
+                self._tier_error(name, err) if err is not None else None))
         index.demoted = [] if "disk" in self.tiers else None
         index.fresh = [] if "remote" in self.tiers else None
 
@@ -255,6 +259,9 @@ class Tiering:
         ns = tenant.digest.encode()
         self.readers["remote"].submit(lambda: remote.contains(ns, probe.keys),
                                       lambda run, err: self._probed(probe, run, err))
+        if not self.config.remote_lookup_ms:  # never wait: the run comes up for the next one
+            probe.answered = True
+            return probe.reply
         self.call_later(self.config.remote_lookup_ms / 1000, lambda: self._probe_late(probe))
         return None
 
@@ -262,11 +269,11 @@ class Tiering:
         if error is not None:
             self._tier_error("remote", error)
             run = 0
-        if probe.answered:  # the Lookup went without it
-            return
-        probe.answered = True
         got = self._promote("remote", probe.tenant, probe.keys[:run], probe.depth) if run else 0
-        probe.send(_with_pending(probe.reply, probe.reply.pending + got))
+        if not probe.answered:
+            probe.answered = True
+            probe.send(_with_pending(probe.reply, probe.reply.pending + got))
+        # else the Lookup went without it; the blocks still come up, for the next one
 
     def _probe_late(self, probe: _Probe) -> None:
         if not probe.answered:

@@ -5,6 +5,7 @@ that stops or holds a corrupt value never costs a wrong byte or a stuck lookup."
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from kvd_proto import messages as m
@@ -187,3 +188,86 @@ def test_a_stopped_cluster_costs_no_lookup_more_than_its_deadline(daemon_factory
         assert st["counters"]["tier_errors"] >= 1
     finally:
         redis_cluster.start()
+
+
+def test_a_hung_cluster_fills_the_bounded_queue_and_the_rest_is_dropped(daemon_factory,
+                                                                        redis_cluster,
+                                                                        tmp_path):
+    """Write-behind never waits: with every master stopped (accepting, never answering),
+    one batch sits in the queue, the ones that do not fit are dropped and counted, and
+    the engine's stores and loads go on from RAM."""
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text('tier_queue_bytes = "1M"\nremote_timeout_ms = 3000\n')  # 768 KiB a round
+    d = daemon_factory("--config", str(cfg), "--remote", redis_cluster.url)
+    store_round(d, "warm-", seed=1)
+    wait_counter(d, "written_behind_blocks", N)
+    pids = [node.proc.pid for node in redis_cluster.nodes]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        rounds = [store_round(d, f"hung{i}-", seed=i + 2) for i in range(3)]
+        st = d.status()
+        assert st["counters"]["write_behind_dropped"] >= 2 * N  # one round fits the queue
+        assert st["tiers"]["remote"]["queued_bytes"] <= 1 << 20
+        for ks, digest in rounds:  # RAM serves all of it meanwhile
+            hits, got, _ = load_when_ready(d, ks)
+            assert (hits, got) == (N, digest)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        redis_cluster.wait_ok()
+    st = wait_counter(d, "tier_errors", 1)  # the queued batch timed out, counted
+    assert st["counters"]["written_behind_blocks"] + st["counters"][
+        "write_behind_dropped"] == 4 * N
+
+
+def test_tiers_in_status_metrics_and_kvdctl(daemon_factory, redis_cluster, tmp_path, capsys):
+    from kvd.cli import ctl
+    from tests.ops.test_metrics import free_port, scrape, status_json
+
+    port = free_port()
+    d = daemon_factory(*SMALL_POOL, "--metrics-port", str(port), "--disk-path",
+                       str(tmp_path / "disk"), "--disk-size", "8M", "--remote",
+                       redis_cluster.url)
+    rounds = [store_round(d, f"m{i}-", seed=i + 1) for i in range(4)]
+    wait_counter(d, "demoted_blocks", N)
+    wait_counter(d, "written_behind_blocks", 4 * N)
+    d.kill()
+    os.unlink(d.pool_path)
+    d.start()
+    load_when_ready(d, rounds[0][0], want=N)
+
+    st = status_json(d, capsys)
+    disk, remote, c = st["tiers"]["disk"], st["tiers"]["remote"], st["counters"]
+    assert disk["capacity_bytes"] == 8 << 20 and 0 < disk["bytes"] <= disk["capacity_bytes"]
+    assert remote["state"] == "closed"  # connected at start
+    assert c["promoted_blocks"] == c["disk_hit_blocks"] + c["remote_hit_blocks"] == N
+    got = scrape(port)
+    for name, key in (("kvd_disk_hit_blocks_total", "disk_hit_blocks"),
+                      ("kvd_remote_hit_blocks_total", "remote_hit_blocks"),
+                      ("kvd_promoted_blocks_total", "promoted_blocks"),
+                      ("kvd_demoted_blocks_total", "demoted_blocks")):
+        assert got[(name, ())] == c[key], name
+    assert got[("kvd_tier_capacity_bytes", (("tier", "disk"),))] == 8 << 20
+    assert got[("kvd_tier_blocks", (("tier", "disk"),))] == disk["blocks"]
+    assert got[("kvd_tier_up", (("tier", "remote"),))] == 1
+
+    assert ctl.main(["--socket", d.socket, "status"]) == 0
+    text = capsys.readouterr().out
+    assert "disk " in text and "remote   closed" in text
+    assert f"promoted disk {c['disk_hit_blocks']} remote {c['remote_hit_blocks']}" in text
+
+
+def test_a_lookup_that_does_not_wait_still_brings_the_run_up_for_the_next(daemon_factory,
+                                                                         redis_cluster,
+                                                                         tmp_path):
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text("remote_lookup_ms = 0\n")  # never wait for the cluster
+    a = daemon_factory("--remote", redis_cluster.url)
+    b = daemon_factory("--config", str(cfg), "--remote", redis_cluster.url)
+    ks, digest = store_round(a, "nowait-", seed=11)
+    wait_counter(a, "written_behind_blocks", N)
+    hits, got, info = load_when_ready(b, ks, want=N)
+    assert (info["first_hits"], info["first_pending"]) == (0, 0)  # answered at once
+    assert (hits, got) == (N, digest)  # and the next Lookup found the run in RAM
+    assert b.status()["counters"]["remote_hit_blocks"] == N
