@@ -74,17 +74,22 @@ class RedisTier(Tier):
     local = False
 
     def __init__(self, urls: str, ttl_s: int = 86400, timeout_ms: int = 500,
-                 max_batch: int = 64, breaker_failures: int = 3,
+                 max_batch: int = 64, max_batch_bytes: int = 4 << 20,
+                 breaker_failures: int = 3,
                  breaker_cooldown_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.nodes = parse_urls(urls)
-        if ttl_s < 0 or timeout_ms <= 0 or max_batch <= 0 or breaker_failures <= 0:
-            raise ConfigError("remote tier: ttl_s >= 0, timeout_ms, max_batch and "
+        if (ttl_s < 0 or timeout_ms <= 0 or max_batch <= 0 or max_batch_bytes <= 0
+                or breaker_failures <= 0):
+            raise ConfigError("remote tier: ttl_s >= 0, timeout_ms, max_batch(_bytes) and "
                               "breaker_failures > 0 expected")
         self.urls = urls
         self.ttl_s = ttl_s
         self.timeout_s = timeout_ms / 1000
         self.max_batch = max_batch
+        # A round trip carries at most this many value bytes (one value at least), so
+        # the timeout bounds a round trip of a known size, not a whole promotion.
+        self.max_batch_bytes = max_batch_bytes
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self.clock = clock
@@ -102,9 +107,10 @@ class RedisTier(Tier):
     def put(self, ns: bytes, blocks: Sequence[TierBlock]) -> int:
         ttl = ("EX", self.ttl_s) if self.ttl_s else ()
         kept = 0
-        for start in range(0, len(blocks), self.max_batch):
+        sizes = [memoryview(b.data).nbytes for b in blocks]
+        for start, end in self._batches(sizes):
             cmds = [("SET", _name(ns, b.key), _value(ns, b), *ttl)
-                    for b in blocks[start:start + self.max_batch]]
+                    for b in blocks[start:end]]
             ok = sum(r is True for r in self._call("put", cmds))
             with self._lock:
                 self.written_blocks += ok
@@ -125,8 +131,8 @@ class RedisTier(Tier):
         if len(outs) < len(keys):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         run = 0
-        for start in range(0, len(keys), self.max_batch):
-            chunk = keys[start:start + self.max_batch]
+        for start, end in self._batches([memoryview(o).nbytes for o in outs[:len(keys)]]):
+            chunk = keys[start:end]
             values = self._call("get_into", [("GET", _name(ns, k)) for k in chunk])
             got = 0
             for key, value, out in zip(chunk, values, outs[start:start + len(chunk)]):
@@ -146,6 +152,19 @@ class RedisTier(Tier):
     def connect(self) -> None:
         """Discover the cluster's topology now, so the first Lookup does not pay for it."""
         self._call("connect", [])
+
+    def _batches(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """[start, end) ranges of at most ``max_batch`` values and ``max_batch_bytes``."""
+        out, start, nbytes = [], 0, 0
+        for i, size in enumerate(sizes):
+            if i > start and (i - start >= self.max_batch
+                              or nbytes + size > self.max_batch_bytes):
+                out.append((start, i))
+                start, nbytes = i, 0
+            nbytes += size
+        if start < len(sizes):
+            out.append((start, len(sizes)))
+        return out
 
     def status(self) -> dict[str, Any]:
         with self._lock:

@@ -271,3 +271,17 @@ def test_a_lookup_that_does_not_wait_still_brings_the_run_up_for_the_next(daemon
     assert (info["first_hits"], info["first_pending"]) == (0, 0)  # answered at once
     assert (hits, got) == (N, digest)  # and the next Lookup found the run in RAM
     assert b.status()["counters"]["remote_hit_blocks"] == N
+
+
+def test_a_cluster_down_at_start_is_counted_and_ram_serves(daemon_factory):
+    from tests.redis_servers import free_ports
+
+    (port,) = free_ports(1, bus=False)  # nothing listens there
+    d = daemon_factory("--remote", f"redis://127.0.0.1:{port}")
+    st = wait_counter(d, "tier_errors", 1)  # the connect at start failed, and was counted
+    assert st["counters"]["tier_errors"] >= 1
+    ks, digest = store_round(d, "down-", seed=5)
+    hits, got, _ = load_when_ready(d, ks)
+    assert (hits, got) == (N, digest)
+    st = wait_counter(d, "write_behind_dropped", N)  # the write-behind failed, counted
+    assert st["counters"]["written_behind_blocks"] == 0

@@ -283,3 +283,26 @@ def test_a_hung_node_costs_a_timeout_naming_it(redis_cluster):
         assert t.contains(ns, keys) == 64
         assert t.status()["state"] == "closed"
 
+
+
+def test_a_round_trip_carries_at_most_max_batch_bytes(redis_server, monkeypatch):
+    """Large blocks go in several round trips, so one timeout bounds a known size."""
+    from kvd.tiers import remote
+
+    sent: list[int] = []
+    execute = remote._execute
+
+    def counting(node, cmds, where):
+        sent.append(len(cmds))
+        return execute(node, cmds, where)
+
+    monkeypatch.setattr(remote, "_execute", counting)
+    ns, blocks = _ns(), _blocks(10)
+    with closing(RedisTier(redis_server.url, max_batch_bytes=3 * SIZE)) as t:
+        assert t.put(ns, blocks) == 10
+        assert sent == [3, 3, 3, 1]
+        sent.clear()
+        outs = _outs(10)
+        assert t.get_into(ns, [b.key for b in blocks], outs) == 10
+        assert sent == [3, 3, 3, 1]
+        assert all(np.array_equal(o, b.data) for o, b in zip(outs, blocks))
