@@ -33,17 +33,13 @@ from kvd.core.policies.base import DEFAULT_POLICY, make_policy
 from kvd.errors import ConfigError, TierError
 from kvd.journal import Journal, read_records
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
+from kvd.tiers.vectored import PAGE, pad, vectored
 
 log = logging.getLogger("kvd.tiers.disk")
 
 DATA_FILE = "kvd-disk.slots"
 JOURNAL_FILE = "kvd-disk.journal"
-PAGE = 4096
-IOV_MAX = 1024  # iovecs per preadv/pwritev (Linux's UIO_MAXIOV)
-PER_CALL = IOV_MAX // 3  # a block takes a header, its payload and its padding
-MAX_CALL_BYTES = 1 << 30  # Linux moves at most ~2 GiB per call
 VERSION = 1
-_ZEROS = memoryview(bytes(PAGE))  # padding to a slot's end: under a page, mostly
 
 
 class DiskHeader(msgspec.Struct, array_like=True, frozen=True, tag="H"):
@@ -86,38 +82,6 @@ class _Staged(NamedTuple):
 def _scoped(ns: bytes, key: bytes) -> bytes:
     """The index's key: length-prefixed, so no (ns, key) pair aliases another."""
     return len(ns).to_bytes(2, "little") + ns + key
-
-
-def _pad(n: int, into: memoryview = _ZEROS) -> list[Any]:
-    """The buffer that fills a slot after its payload (none when it ends exactly)."""
-    return [] if not n else [into[:n] if n <= len(into) else bytearray(n)]
-
-
-def _vectored(call: Callable[[int, list[Any], int], int], fd: int, iovs: list[list[Any]],
-              offsets: np.ndarray, sizes: np.ndarray) -> list[bool]:
-    """``preadv``/``pwritev`` of each slot's buffers (``iovs[i]``, ``sizes[i]`` bytes at
-    ``offsets[i]``), adjacent slots in one call: a batch costs a syscall per run of the
-    file, not per block. Returns which slots were moved whole (a short call stops)."""
-    order = np.argsort(offsets, kind="stable")
-    o, s = offsets[order], sizes[order]
-    follows = np.append(o[1:] == o[:-1] + s[:-1], False).tolist()  # n+1 right after n
-    size, at = s.tolist(), sizes.tolist()
-    done = [False] * len(iovs)
-    run: list[int] = []
-    nbytes = 0
-    for n, i in enumerate(order.tolist()):
-        run.append(i)
-        nbytes += size[n]
-        if follows[n] and len(run) < PER_CALL and nbytes + size[n + 1] <= MAX_CALL_BYTES:
-            continue
-        got = call(fd, [b for k in run for b in iovs[k]], int(offsets[run[0]]))
-        for k in run:
-            got -= at[k]
-            if got < 0:
-                return done
-            done[k] = True
-        run, nbytes = [], 0
-    return done
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -181,11 +145,27 @@ class DiskTier(Tier):
                               else f"disk tier: cannot open {data}: {e}") from None
         try:
             self.restored_blocks = self._restore(reused)
+            self._reserve()
             self._compact()
+        except ConfigError:
+            self.journal.close()
+            os.close(self._fd)
+            raise
         except OSError as e:
             self.journal.close()
             os.close(self._fd)
-            raise ConfigError(f"disk tier: cannot restore {path}: {e}") from None
+            raise ConfigError(f"disk tier: cannot size or restore {path}: {e}") from None
+
+    def _reserve(self) -> None:
+        """Allocate the whole file now: a disk without room for it refuses the start,
+        not a write hours later. Filesystems without fallocate keep it sparse."""
+        try:
+            os.posix_fallocate(self._fd, 0, self.size)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return
+            raise ConfigError(f"disk tier: cannot reserve {self.size} bytes in "
+                              f"{self.path}: {e.strerror}") from None
 
     # ------------------------------------------------------------ restart
     def _restore(self, reused: bool) -> int:
@@ -338,9 +318,9 @@ class DiskTier(Tier):
             return 0
         try:
             sizes = np.array([w.slot_bytes for w in placed], dtype=np.int64)
-            iovs = [[w.head, w.view, *_pad(w.slot_bytes - HEADER_BYTES - w.view.nbytes)]
+            iovs = [[w.head, w.view, *pad(w.slot_bytes - HEADER_BYTES - w.view.nbytes)]
                     for w in placed]
-            if not all(_vectored(os.pwritev, self._fd, iovs, self._offsets(slots, sizes),
+            if not all(vectored(os.pwritev, self._fd, iovs, self._offsets(slots, sizes),
                                  sizes)):
                 raise OSError(errno.EIO, "short write")
             if self.sync:
@@ -383,9 +363,9 @@ class DiskTier(Tier):
         heads = [memoryview(bytearray(HEADER_BYTES)) for _ in run]
         pads = [e.slot_bytes - HEADER_BYTES - e.length for e in run]
         scratch = memoryview(bytearray(max(pads)))  # the padding lands here
-        iovs = [[h, v, *_pad(p, scratch)] for h, v, p in zip(heads, views, pads)]
+        iovs = [[h, v, *pad(p, scratch)] for h, v, p in zip(heads, views, pads)]
         sizes = np.array([e.slot_bytes for e in run], dtype=np.int64)
-        full = _vectored(os.preadv, self._fd, iovs,
+        full = vectored(os.preadv, self._fd, iovs,
                          self._offsets([e.slot for e in run], sizes), sizes)
         ok, bad = 0, None
         for e, whole, head, view in zip(run, full, heads, views):

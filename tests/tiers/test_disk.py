@@ -432,3 +432,24 @@ def test_concurrent_put_and_get_never_serve_another_blocks_bytes(tmp_path):
     assert hits[0] > 0 and st_["evicted_blocks"] > 0
     assert st_["corrupt_blocks"] == 0  # a slot reused under a read is a miss, not corrupt
     t.close()
+
+
+def test_a_file_that_cannot_have_its_size_refuses_the_start(tmp_path):
+    """The slot file is sized (and allocated) at start: no room is a clear error then,
+    not a failed write later. Shown under a 1 MiB file-size limit."""
+    code = f"""
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from kvd.errors import ConfigError
+from kvd.tiers.disk import DiskTier
+try:
+    DiskTier({str(tmp_path)!r}, 8 << 20, extent_size=1 << 20)
+except ConfigError as e:
+    print("refused:", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                         text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused: disk tier") and str(tmp_path) in out.stdout
