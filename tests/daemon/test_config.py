@@ -48,3 +48,24 @@ def test_sizes():
     assert parse_size(123) == 123
     with pytest.raises(ValueError):
         parse_size("big")
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"KVD_DISK_PATH": "/tmp/d", "KVD_DISK_SIZE": "1M"}, "disk_size"),
+    ({"KVD_REMOTE": "redis://h:1,,"}, "remote"),
+    ({"KVD_REMOTE_LOOKUP_MS": "-1"}, "remote_lookup_ms"),
+    ({"KVD_REMOTE_TIMEOUT_MS": "0"}, "remote_timeout_ms"),
+    ({"KVD_TIER_QUEUE_BYTES": "0"}, "tier_queue_bytes"),
+    ({"KVD_PROMOTE_MAX_BLOCKS": "0"}, "promote_max_blocks"),
+    ({"KVD_REMOTE_TTL_S": "-5"}, "remote_ttl_s"),
+])
+def test_tier_settings_are_validated(env, match):
+    with pytest.raises(ConfigError, match=match):
+        load(None, env)
+
+
+def test_tier_settings_are_read_with_sizes():
+    cfg, _ = load(None, {"KVD_DISK_PATH": "/var/lib/kvd", "KVD_DISK_SIZE": "2T",
+                         "KVD_TIER_QUEUE_BYTES": "64M", "KVD_REMOTE_LOOKUP_MS": "0"})
+    assert cfg.disk_size == 2 << 40 and cfg.tier_queue_bytes == 64 << 20
+    assert cfg.remote_lookup_ms == 0 and cfg.remote == ""
