@@ -82,18 +82,22 @@ def wait_counter(d: DaemonProc, key: str, at_least: int, timeout: float = 120) -
         time.sleep(0.05)
 
 
-def drained(d: DaemonProc, tier: str, timeout: float = 120) -> dict:
+def drained(d: DaemonProc, tier: str, quiet_s: float = 0.0, timeout: float = 120) -> dict:
     """Every block evicted so far went down to disk, or every block stored so far was
-    written to the cluster (or was dropped, counted)."""
+    written to the cluster (or was dropped, counted), and no store arrived for
+    ``quiet_s``: an engine's stores trail the end of its request."""
     deadline = time.monotonic() + timeout
     sent, dropped, of = (("demoted_blocks", "demote_dropped", "evicted_blocks")
                          if tier == "disk" else
                          ("written_behind_blocks", "write_behind_dropped", "stored_blocks"))
+    last, since = -1, time.monotonic()
     while True:
         c = d.status()["counters"]
+        if c["stored_blocks"] != last:
+            last, since = c["stored_blocks"], time.monotonic()
         # Blocks promoted from a tier count as stored, but are not written back.
         todo = c[of] - (c["promoted_blocks"] if tier == "remote" else 0)
-        if todo and c[sent] + c[dropped] >= todo:
+        if todo and c[sent] + c[dropped] >= todo and time.monotonic() - since >= quiet_s:
             return c
         if time.monotonic() > deadline:
             raise SystemExit(f"demotion did not drain: {c}")
@@ -250,9 +254,9 @@ def ttft(tier: str, url: str, repeat: int) -> dict:
     from the tier, R from RAM, and an unseen prompt (recompute)."""
     model = build_tiny_model(REPO / ".e2e-cache" / "bench-llama", **MODEL)
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-ttft-"))
-    # A prompt's KV is 8 layers x 2 x 4 heads x 64 x 2 B x 8000 tokens = 62.5 MiB; the
-    # pool holds two, so three fill prompts push R out of RAM.
-    args = ["--pool-size", "192M", "--extent-size", "64M", "--log-level", "warning"]
+    # A prompt's KV is 8 layers x 2 x 4 heads x 64 x 2 B x 8000 tokens = 62.5 MiB (62
+    # blocks of 128 tokens); three fill prompts push all of R out of a 128 MiB pool.
+    args = ["--pool-size", "128M", "--extent-size", "64M", "--log-level", "warning"]
     # LRU: the reused prompt, stored first, is what the fill prompts push out.
     args += (["--disk-path", str(tmp / "disk"), "--disk-size", "1G", "--policy", "lru"]
              if tier == "disk" else ["--remote", url])
@@ -261,7 +265,9 @@ def ttft(tier: str, url: str, repeat: int) -> dict:
     steps: list[dict] = [gen(prompt(0, 512))]  # warm-up
     for i in range(repeat):
         reused = prompt(1000 + i)
-        steps += [gen(reused)]
+        # vLLM stores a request's last blocks at the engine's next step: a short
+        # request makes that step (an idle engine would hold them back).
+        steps += [gen(reused), gen(prompt(5000 + i, 16))]
         if tier == "disk":
             steps += [gen(prompt(2000 + 10 * i + j)) for j in range(3)]
         steps += [{"op": "touch", "path": str(tmp / f"stored-{i}")},
@@ -284,7 +290,7 @@ def ttft(tier: str, url: str, repeat: int) -> dict:
                 if proc.poll() is not None:
                     raise SystemExit(log.read_text()[-3000:])
                 time.sleep(0.05)
-            c = drained(d, tier)
+            c = drained(d, tier, quiet_s=3.0)
             dropped += c["demote_dropped" if tier == "disk" else "write_behind_dropped"]
             # disk: a reboot (the RAM pool goes, the disk tier stays); remote: another
             # node (the cluster is all it shares).
@@ -299,7 +305,7 @@ def ttft(tier: str, url: str, repeat: int) -> dict:
             proc.kill()
         d.cleanup()
     gens = [r for r in results if r.get("op") == "generate"][1:]
-    per = 5 if tier == "disk" else 2
+    per = 6 if tier == "disk" else 3
     rows = []
     for i in range(repeat):
         g = gens[i * (per + 2):(i + 1) * (per + 2)]
@@ -327,6 +333,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="promotions per size")
     p.add_argument("--repeat", type=int, default=3, help="TTFT samples per tier")
     p.add_argument("--remote", help="redis://HOST:PORT[,...] (default: a local cluster)")
+    p.add_argument("--ttft-tiers", default="disk,remote", help="tiers for part 2")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--skip-bandwidth", action="store_true")
     p.add_argument("--json", help="also write the figures here")
@@ -349,7 +356,7 @@ def main() -> None:
                  {"baseline": "disk: 1 MiB preadv calls of the slot file (page cache); "
                                       "remote: redis-py pipelined GETs of the same values"})
         if not args.skip_ttft:
-            out["ttft"] = [ttft("disk", url, args.repeat), ttft("remote", url, args.repeat)]
+            out["ttft"] = [ttft(t, url, args.repeat) for t in args.ttft_tiers.split(",")]
             for t in out["ttft"]:
                 print(f"TTFT {PROMPT_TOKENS} tokens from {t['tier']} (median of "
                       f"{args.repeat}): {t['tier_s'] * 1000:.0f} ms; from RAM "
