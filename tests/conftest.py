@@ -66,6 +66,16 @@ class Daemon:
             assert c.wait_up(10), "daemon not answering"
             return json.loads(c.request(m.Stats(c.next_req()), 10).status)
 
+    def wait_counter(self, key: str, at_least: int, timeout: float = 30.0) -> dict:
+        """The status once ``counters[key]`` reached ``at_least``, or at the timeout
+        (the caller's assertion then says what was missing)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if st["counters"][key] >= at_least or time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
+
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
 

@@ -65,21 +65,13 @@ def load_when_ready(d, ks: list[bytes], want: int = 0,
         sched.close()
 
 
-def wait_counter(d, key: str, at_least: int, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = d.status()
-        if st["counters"][key] >= at_least or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
-
 
 def test_evicted_blocks_go_to_disk_and_survive_kill9_without_the_pool(daemon_factory,
                                                                       tmp_path):
     disk = tmp_path / "disk"
     d = daemon_factory(*SMALL_POOL, "--disk-path", str(disk), "--disk-size", "8M")
     rounds = [store_round(d, f"r{i}-", seed=i + 1) for i in range(4)]  # 256 > 170 blocks
-    st = wait_counter(d, "demoted_blocks", N)
+    st = d.wait_counter("demoted_blocks", N)
     assert st["counters"]["evicted_blocks"] >= N
     assert st["counters"]["demoted_blocks"] == st["counters"]["evicted_blocks"]
     assert st["tiers"]["disk"]["blocks"] == st["counters"]["demoted_blocks"]
@@ -102,7 +94,7 @@ def test_a_corrupt_disk_block_ends_the_run_and_is_never_served(daemon_factory, t
     disk = tmp_path / "disk"
     d = daemon_factory(*SMALL_POOL, "--disk-path", str(disk), "--disk-size", "8M")
     rounds = [store_round(d, f"r{i}-", seed=i + 1) for i in range(4)]
-    wait_counter(d, "demoted_blocks", N)
+    d.wait_counter("demoted_blocks", N)
     d.kill()
     os.unlink(d.pool_path)
     # Flip one payload byte of every slot written: each block's xxh3 catches it.
@@ -123,7 +115,7 @@ def test_two_daemons_share_blocks_through_the_cluster(daemon_factory, redis_clus
     a = daemon_factory("--remote", redis_cluster.url)
     b = daemon_factory("--remote", redis_cluster.url)
     ks, digest = store_round(a, "shared-", seed=7)
-    wait_counter(a, "written_behind_blocks", N)
+    a.wait_counter("written_behind_blocks", N)
     hits, got, info = load_when_ready(b, ks, want=N)
     assert info["first_hits"] == 0  # node B never stored them: they came from the cluster
     assert (hits, got) == (N, digest)
@@ -146,7 +138,7 @@ def test_a_corrupt_value_in_the_cluster_is_never_served(daemon_factory, redis_cl
     import redis
 
     ks, digest = store_round(a, "corrupt-", seed=9, prefix=9)
-    st = wait_counter(a, "written_behind_blocks", N)
+    st = a.wait_counter("written_behind_blocks", N)
     name = b"kvd:" + st["tenants"][0]["digest"].encode() + b":" + ks[9]
     # Flip a payload byte of the 10th block's value, where the cluster keeps it.
     client = redis.RedisCluster.from_url(redis_cluster.url.split(",")[0])
@@ -200,7 +192,7 @@ def test_a_hung_cluster_fills_the_bounded_queue_and_the_rest_is_dropped(daemon_f
     cfg.write_text('tier_queue_bytes = "1M"\nremote_timeout_ms = 3000\n')  # 768 KiB a round
     d = daemon_factory("--config", str(cfg), "--remote", redis_cluster.url)
     store_round(d, "warm-", seed=1)
-    wait_counter(d, "written_behind_blocks", N)
+    d.wait_counter("written_behind_blocks", N)
     pids = [node.proc.pid for node in redis_cluster.nodes]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
@@ -216,7 +208,7 @@ def test_a_hung_cluster_fills_the_bounded_queue_and_the_rest_is_dropped(daemon_f
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         redis_cluster.wait_ok()
-    st = wait_counter(d, "tier_errors", 1)  # the queued batch timed out, counted
+    st = d.wait_counter("tier_errors", 1)  # the queued batch timed out, counted
     assert st["counters"]["written_behind_blocks"] + st["counters"][
         "write_behind_dropped"] == 4 * N
 
@@ -230,8 +222,8 @@ def test_tiers_in_status_metrics_and_kvdctl(daemon_factory, redis_cluster, tmp_p
                        str(tmp_path / "disk"), "--disk-size", "8M", "--remote",
                        redis_cluster.url)
     rounds = [store_round(d, f"m{i}-", seed=i + 1) for i in range(4)]
-    wait_counter(d, "demoted_blocks", N)
-    wait_counter(d, "written_behind_blocks", 4 * N)
+    d.wait_counter("demoted_blocks", N)
+    d.wait_counter("written_behind_blocks", 4 * N)
     d.kill()
     os.unlink(d.pool_path)
     d.start()
@@ -266,7 +258,7 @@ def test_a_lookup_that_does_not_wait_still_brings_the_run_up_for_the_next(daemon
     a = daemon_factory("--remote", redis_cluster.url)
     b = daemon_factory("--config", str(cfg), "--remote", redis_cluster.url)
     ks, digest = store_round(a, "nowait-", seed=11)
-    wait_counter(a, "written_behind_blocks", N)
+    a.wait_counter("written_behind_blocks", N)
     hits, got, info = load_when_ready(b, ks, want=N)
     assert (info["first_hits"], info["first_pending"]) == (0, 0)  # answered at once
     assert (hits, got) == (N, digest)  # and the next Lookup found the run in RAM
@@ -278,10 +270,10 @@ def test_a_cluster_down_at_start_is_counted_and_ram_serves(daemon_factory):
 
     (port,) = free_ports(1, bus=False)  # nothing listens there
     d = daemon_factory("--remote", f"redis://127.0.0.1:{port}")
-    st = wait_counter(d, "tier_errors", 1)  # the connect at start failed, and was counted
+    st = d.wait_counter("tier_errors", 1)  # the connect at start failed, and was counted
     assert st["counters"]["tier_errors"] >= 1
     ks, digest = store_round(d, "down-", seed=5)
     hits, got, _ = load_when_ready(d, ks)
     assert (hits, got) == (N, digest)
-    st = wait_counter(d, "write_behind_dropped", N)  # the write-behind failed, counted
+    st = d.wait_counter("write_behind_dropped", N)  # the write-behind failed, counted
     assert st["counters"]["written_behind_blocks"] == 0

@@ -6,7 +6,6 @@ holds a corrupt value never stops an engine or changes a token."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from _model import long_prompt
@@ -36,14 +35,6 @@ def plain(tiny_model, run_engine) -> list[dict]:
                        "steps": [gen(p) for p in PROMPTS]}).generations
 
 
-def wait_counter(d, key: str, at_least: int, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = d.status()
-        if st["counters"][key] >= at_least or time.monotonic() > deadline:
-            return st
-        time.sleep(0.2)
-
 
 def test_disk_tier_serves_after_kill9_and_the_pool_removed(tiny_model, plain, run_engine,
                                                             daemon_factory, tmp_path):
@@ -51,7 +42,7 @@ def test_disk_tier_serves_after_kill9_and_the_pool_removed(tiny_model, plain, ru
                        "--disk-path", str(tmp_path / "disk"), "--disk-size", "64M")
     base = {"model": str(tiny_model), "kv_transfer_config": kvd_transfer_config(d.socket, **PATIENT)}
     run_engine({**base, "steps": [gen(p) for p in PROMPTS]})  # more than the pool holds
-    st = wait_counter(d, "demoted_blocks", 1)
+    st = d.wait_counter("demoted_blocks", 1)
     assert st["counters"]["evicted_blocks"] > 0, "the pool held every block: no test"
     demoted = st["counters"]["demoted_blocks"]
     assert demoted == st["counters"]["evicted_blocks"]
@@ -99,13 +90,13 @@ def test_two_nodes_share_through_the_cluster_and_outlive_it(tiny_model, plain, s
     client = redis.RedisCluster.from_url(redis_cluster.url.split(",")[0])
     try:
         wait_for(s0, node_a)
-        st = wait_counter(a, "written_behind_blocks", n0)
+        st = a.wait_counter("written_behind_blocks", n0)
         pattern = b"kvd:" + st["tenants"][0]["digest"].encode() + b":*"
         first = set(client.keys(pattern, target_nodes=redis.RedisCluster.ALL_NODES))
         assert len(first) == n0
         go1.touch()
         wait_for(s1, node_a)
-        wait_counter(a, "written_behind_blocks", n0 + n1)
+        a.wait_counter("written_behind_blocks", n0 + n1)
         second = set(client.keys(pattern, target_nodes=redis.RedisCluster.ALL_NODES)) - first
         assert len(second) == n1
         # Corrupt the second prompt's 3rd block (depth 2) where the cluster keeps it.
