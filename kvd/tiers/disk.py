@@ -98,6 +98,15 @@ def _io_errors(method: F) -> F:
     return cast(F, wrapped)
 
 
+def extent_for(pool_extent: int, size: int) -> int:
+    """The disk tier's extent under a pool of ``pool_extent``: a block as large as a pool
+    extent fits with its header; slots of header and payload leave at most about an
+    eighth of an extent unused (extents of the pool's size could leave half); and the
+    extents tile the file."""
+    n = max(1, size // (8 * pool_extent + PAGE))
+    return size // n // PAGE * PAGE
+
+
 class DiskTier(Tier):
     """Blocks in one slot file on a local disk, found again after a restart.
 

@@ -39,6 +39,7 @@ from kvd.core.tenants import Tenant
 from kvd.engines.base import checksums
 from kvd.errors import TierError
 from kvd.tiers.base import Tier, TierBlock, make_tier
+from kvd.tiers.disk import extent_for
 
 log = logging.getLogger("kvd.tiers")
 Post = Callable[..., None]  # loop.call_soon_threadsafe
@@ -128,7 +129,8 @@ class Tiering:
         if config.disk_path:
             self.tiers["disk"] = make_tier(
                 "disk", path=config.disk_path, size=config.disk_size,
-                policy=config.disk_policy, extent_size=config.extent_size,
+                policy=config.disk_policy,
+                extent_size=extent_for(config.extent_size, config.disk_size),
                 min_slot_bytes=config.min_slot_bytes)
         if config.remote:
             self.tiers["remote"] = make_tier(

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvd.errors import ConfigError, KvdError
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, TierBlock, make_tier
-from kvd.tiers.disk import DATA_FILE, JOURNAL_FILE, DiskTier
+from kvd.tiers.disk import DATA_FILE, JOURNAL_FILE, DiskTier, extent_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT = 1 << 20
@@ -268,6 +268,26 @@ def test_never_beyond_size_and_recent_blocks_stay(tmp_path):
         assert os.path.getsize(tmp_path / DATA_FILE) == SIZE
     assert st_["blocks"] + st_["evicted_blocks"] == 3 * cap
     assert_hits(t, ks(f"r{r}-", 32))  # the latest batch is there
+    t.close()
+
+
+@pytest.mark.parametrize("size_mib", [8, 64, 100])
+def test_the_daemons_extent_fits_a_whole_pool_extent_and_fills_the_file(tmp_path, size_mib):
+    """With the extent the daemon gives the tier, a block as large as a pool extent is
+    held (not declined), and blocks of half a pool extent fill most of the file: with
+    the pool's own extent each would take a whole extent for its header's sake."""
+    pool_ext, size = 1 << 20, size_mib << 20
+    t = DiskTier(str(tmp_path), size, policy="lru", extent_size=extent_for(pool_ext, size))
+    assert t.status()["capacity_bytes"] > size - 8 * 4096
+    assert t.put(NS, blocks([b"whole"], n=pool_ext)) == 1
+    assert_hits(t, [b"whole"], n=pool_ext)
+    half = pool_ext // 2
+    for r in range(2 * size // half // 8):  # twice the file, 8 blocks a put
+        assert t.put(NS, blocks(ks(f"h{r}-", 8), n=half)) == 8
+    st_ = t.status()
+    assert st_["bytes"] <= st_["capacity_bytes"]
+    assert st_["blocks"] * half >= 0.85 * size
+    assert t.counts["declined_blocks"] == 0
     t.close()
 
 
