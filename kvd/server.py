@@ -66,7 +66,8 @@ class Server:
             with self.lifecycle.preparing("opening the tiers", 0):
                 self.service.tiering = Tiering(
                     config, self.service.index, self.pool.array,
-                    self.loop.call_soon_threadsafe, self.loop.call_later, time.monotonic)
+                    self.loop.call_soon_threadsafe, self.loop.call_later, time.monotonic,
+                    committed=self.service.commit)
         self.service.transfers.on_finished = self.lifecycle.transfer_done
         self.service.on_client = self._watch
         self.kv_events = self.service.kv_events

@@ -72,7 +72,7 @@ class Service:
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
         self.transfers = Transfers(config, self.index, pool.base, send, clock, self.counters,
-                                   committed=self._journal, clients=self.clients,
+                                   committed=self.commit, clients=self.clients,
                                    stopping=lambda: self.stopping)
         self.tiering: Tiering | None = None  # set by the server when tiers are configured
         self._next_client = 1
@@ -88,7 +88,7 @@ class Service:
         if isinstance(msg, m.Transfer):
             return self.transfers.handle(identity, msg)
         reply = self._dispatch(identity, peer, msg)
-        self._journal()  # journaled before the reply leaves
+        self.commit()  # journaled before the reply leaves
         return reply
 
     @property
@@ -96,7 +96,7 @@ class Service:
         """Transfers inside an engine, not completed yet."""
         return self.transfers.inflight
 
-    def _journal(self) -> None:
+    def commit(self) -> None:
         """The index's queued changes go to the journal, the KV event stream and the
         tiers (evicted blocks are copied out before the reply hands their slots out)."""
         if self.tiering is not None:
@@ -172,7 +172,7 @@ class Service:
             raise RequestError(f"no tenant {tenant}")
         n = self.index.evict_tenant(target)
         if target is None and self.kv_events is not None:
-            self._journal()
+            self.commit()
             self.kv_events.clear(self._held())
         log.info("admin %s: evicted %d blocks", type(msg).__name__.lower(), n)
         return m.Ok(msg.req, n)
@@ -321,6 +321,9 @@ class Service:
         now = self.clock()
         res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
                                   now=now, pending_s=pending_s)
+        # What this evicted is copied down (and journaled) before a Transfer that
+        # overtook the Allocate starts writing into the slots: add_ticket runs it now.
+        self.commit()
         if msg.ticket:  # the rest of the keys get no slot: their blocks are skipped
             slots = np.full(len(msg.keys), NO_SLOT, dtype=np.uint32)
             slots[:len(res.slots)] = res.slots
@@ -348,7 +351,7 @@ class Service:
             log.warning("client %d (pid %d) silent for %.1fs: dropped",
                         self.clients[identity].id, self.clients[identity].pid, limit)
             self.client_gone(identity)
-        self._journal()
+        self.commit()
         if self.kv_events is not None:
             self.kv_events.flush()
         if self.persist is not None:

@@ -120,7 +120,8 @@ class Evictor:
             ix.policy.evicted_many(keys)
         if ix.demoted is not None and slots:  # READY victims may go down a tier
             ix.demoted.append((list(map(ix._slot_tenant.__getitem__, slots)),
-                               list(map(unscoped, keys)), slots, ix._depth[slots].tolist()))
+                               list(map(unscoped, keys)), slots, ix._depth[slots].tolist(),
+                               list(map(ix.checksums.get, slots))))
         self.drop_many(slots, victims=True, caller=tenant, out=out)
         ix.counters.evicted_blocks += len(keys)
         return len(keys)

@@ -109,10 +109,11 @@ class Index:
         self.events: list[tuple] = []
         # For the tiers (None: off). ``fresh``: runs of blocks that became READY, as
         # (tenant, keys, slots, depth of keys[0]); ``demoted``: READY blocks evicted for
-        # room, as (tenants, keys, slots, depths), whose bytes stay in their slots until
-        # the caller's reply hands the slots out again.
+        # room, as (tenants, keys, slots, depths, checksums or None), whose bytes stay in
+        # their slots until the caller hands the slots out again.
         self.fresh: list[tuple[Tenant, list[bytes], list[int], int]] | None = None
-        self.demoted: list[tuple[list[Tenant], list[bytes], list[int], list[int]]] | None = None
+        self.demoted: list[tuple[list[Tenant], list[bytes], list[int], list[int],
+                                 list[list[int] | None]]] | None = None
         self.evictor = Evictor(self)  # what leaves the cache, and when a slot is free
 
     # ------------------------------------------------------------ queries

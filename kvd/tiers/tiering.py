@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 from kvd_proto import messages as m
 
 from kvd.config import Config
@@ -58,6 +59,7 @@ class TierCounters:
     promote_failed: int = 0  # promotion slots given up (missing, corrupt, tier error)
     probe_timeouts: int = 0  # Lookups answered before the remote tier did
     tier_errors: int = 0
+    corrupt_held_back: int = 0  # failed their checksum on the way down: never sent
 
     @property
     def promoted_blocks(self) -> int:
@@ -121,9 +123,13 @@ class Tiering:
 
     def __init__(self, config: Config, index: Index, pool: np.ndarray, post: Post,
                  call_later: Callable[[float, Callable[[], None]], Any],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float],
+                 committed: Callable[[], None] | None = None) -> None:
         self.config, self.index, self.pool = config, index, pool
         self.call_later, self.clock = call_later, clock
+        # The index's queued changes out (to the tiers, the journal, the KV events): the
+        # service's hook, which calls after_changes; alone, just after_changes.
+        self.committed = committed or self.after_changes
         self.counters = TierCounters()
         self.tiers: dict[str, Tier] = {}
         if config.disk_path:
@@ -172,28 +178,29 @@ class Tiering:
         ix = self.index
         if ix.demoted:
             demoted, ix.demoted = ix.demoted, []
-            for tenants, keys, slots, depths in demoted:
-                self._demote(tenants, keys, slots, depths)
+            for tenants, keys, slots, depths, sums in demoted:
+                self._demote(tenants, keys, slots, depths, sums)
         if ix.fresh:
             fresh, ix.fresh = ix.fresh, []
             for tenant, keys, slots, depth in fresh:
                 self._write_behind(tenant, keys, slots, depth)
 
     def _demote(self, tenants: list[Tenant], keys: list[bytes], slots: list[int],
-                depths: list[int]) -> None:
+                depths: list[int], sums: list[list[int] | None]) -> None:
         first = tenants[0]
         if all(t is first for t in tenants):  # one tenant, the usual case
-            self._demote_one(first, keys, slots, depths)
+            self._demote_one(first, keys, slots, depths, sums)
             return
         groups: dict[int, list[int]] = {}
         for i, t in enumerate(tenants):  # Tenant is unhashable: group by identity
             groups.setdefault(id(t), []).append(i)
         for pick in groups.values():
             self._demote_one(tenants[pick[0]], [keys[i] for i in pick],
-                             [slots[i] for i in pick], [depths[i] for i in pick])
+                             [slots[i] for i in pick], [depths[i] for i in pick],
+                             [sums[i] for i in pick])
 
     def _demote_one(self, tenant: Tenant, keys: list[bytes], slots: list[int],
-                    depths: list[int]) -> None:
+                    depths: list[int], sums: list[list[int] | None]) -> None:
         worker, tier = self.writers["disk"], self.tiers["disk"]
         nbytes = len(slots) * tenant.slot_bytes
         if worker.queued_bytes + nbytes > self.config.tier_queue_bytes:
@@ -201,16 +208,18 @@ class Tiering:
             return
         rows = self._gather(slots, tenant.slot_bytes)  # a copy: the slots are reused
         blocks = [TierBlock(k, d, row) for k, d, row in zip(keys, depths, rows)]
-        ns = tenant.digest.encode()
-        worker.submit(lambda: tier.put(ns, blocks),
-                      lambda kept, err: self._demoted(len(blocks), kept, err), nbytes)
+        ns, rank_bytes = tenant.digest.encode(), tenant.rank_bytes
+        worker.submit(lambda: _put_intact(tier, ns, blocks, sums, rank_bytes),
+                      lambda res, err: self._demoted(len(blocks), res, err), nbytes)
 
-    def _demoted(self, n: int, kept: int | None, error: Exception | None) -> None:
+    def _demoted(self, n: int, result: tuple[int, list[int]] | None,
+                 error: Exception | None) -> None:
         if error is not None:
             self._tier_error("disk", error)
-            kept = 0
-        self.counters.demoted_blocks += kept or 0
-        self.counters.demote_dropped += n - (kept or 0)
+        kept, bad = result if result is not None else (0, [])
+        self._held_back(bad)
+        self.counters.demoted_blocks += kept
+        self.counters.demote_dropped += n - kept
 
     def _write_behind(self, tenant: Tenant, keys: list[bytes], slots: list[int],
                       depth: int) -> None:
@@ -221,19 +230,30 @@ class Tiering:
             return
         arr = np.array(slots, dtype=np.int64)
         self.index.pin(arr)  # the bytes stay put until written
+        sums = list(map(self.index.checksums.get, slots))
         views = self._views(arr, tenant.slot_bytes)
         blocks = [TierBlock(k, depth + i, v) for i, (k, v) in enumerate(zip(keys, views))]
-        ns, tier = tenant.digest.encode(), self.tiers["remote"]
-        worker.submit(lambda: tier.put(ns, blocks),
-                      lambda kept, err: self._written(arr, kept, err), nbytes)
+        ns, tier, rank_bytes = tenant.digest.encode(), self.tiers["remote"], tenant.rank_bytes
+        worker.submit(lambda: _put_intact(tier, ns, blocks, sums, rank_bytes),
+                      lambda res, err: self._written(arr, res, err), nbytes)
 
-    def _written(self, slots: np.ndarray, kept: int | None, error: Exception | None) -> None:
-        self.index.unpin(slots)
+    def _written(self, slots: np.ndarray, result: tuple[int, list[int]] | None,
+                 error: Exception | None) -> None:
         if error is not None:
             self._tier_error("remote", error)
-            kept = 0
-        self.counters.written_behind_blocks += kept or 0
-        self.counters.write_behind_dropped += len(slots) - (kept or 0)
+        kept, bad = result if result is not None else (0, [])
+        if bad:  # corrupt in RAM too: gone from the pool (freed once unpinned)
+            self.index.discard([int(slots[i]) for i in bad])
+        self.index.unpin(slots)
+        self._held_back(bad)
+        self.counters.written_behind_blocks += kept
+        self.counters.write_behind_dropped += len(slots) - kept
+
+    def _held_back(self, bad: list[int]) -> None:
+        if bad:
+            self.counters.corrupt_held_back += len(bad)
+            log.warning("%d blocks failed their checksum in the pool on the way down a "
+                        "tier; not sent", len(bad))
 
     # ------------------------------------------------------------ up
     def lookup(self, tenant: Tenant, keys: list[bytes], depth: int, reply: m.LookupOk,
@@ -289,7 +309,7 @@ class Tiering:
         ix = self.index
         res = ix.allocate(tenant, keys, owner=PROMOTER, depth=depth, now=self.clock(),
                           pending_s=PROMOTE_S)
-        self.after_changes()  # what this allocate evicted goes down first
+        self.committed()  # what this evicted goes down (and is journaled) before the read
         got = res.slots
         n = got.index(NO_SLOT) if NO_SLOT in got else len(got)
         if n < len(got):  # a key stored meanwhile: only the run before it comes up
@@ -363,6 +383,20 @@ class Tiering:
                 tier.close()
             except Exception:
                 log.exception("closing a tier failed")
+
+
+def _put_intact(tier: Tier, ns: bytes, blocks: list[TierBlock],
+                sums: list[list[int] | None], rank_bytes: int) -> tuple[int, list[int]]:
+    """Put the blocks whose bytes still hash to the checksums recorded when they were
+    stored (a block without them passes): a corruption in the pool must not go down
+    under a fresh, valid header. (blocks the tier holds, indexes of those held back)."""
+    h = xxhash.xxh3_64_intdigest
+    bad = [i for i, (b, s) in enumerate(zip(blocks, sums)) if s and any(
+        e and h(b.data[r * rank_bytes:(r + 1) * rank_bytes]) != e for r, e in enumerate(s))]
+    if bad:
+        skip = set(bad)
+        blocks = [b for i, b in enumerate(blocks) if i not in skip]
+    return (tier.put(ns, blocks) if blocks else 0), bad
 
 
 def _with_pending(reply: m.LookupOk, pending: int) -> m.LookupOk:

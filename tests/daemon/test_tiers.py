@@ -90,6 +90,66 @@ def test_evicted_blocks_go_to_disk_and_survive_kill9_without_the_pool(daemon_fac
     assert st["counters"]["promote_failed"] == 0
 
 
+def test_blocks_an_overtaking_store_evicts_go_down_with_their_own_bytes(daemon_factory,
+                                                                         tmp_path):
+    """A worker's ticketed store that overtook its Allocate starts copying into the
+    slots as soon as the Allocate hands them out: what that Allocate evicted must be
+    copied down to disk before, or the disk holds the new bytes, verified, under the old
+    keys."""
+    d = daemon_factory(*SMALL_POOL, "--policy", "lru", "--disk-path", str(tmp_path / "disk"),
+                       "--disk-size", "8M")
+    rounds = [store_round(d, f"r{i}-", seed=i + 1) for i in range(3)]  # 192 > 170 blocks
+    spec = Spec(d.socket, pages=PAGES, seed=99)
+    sched, w = scheduler(d, spec), Worker(spec)
+    try:
+        for t in range(3):  # each evicts N more READY blocks, oldest (round 0) first
+            assert w.send_store(10 + t, range(N), ticket=70 + t)
+            time.sleep(0.2)  # parked in the daemon, waiting for its Allocate
+            r = sched.request(m.Allocate(sched.next_req(), keys(N, f"x{t}-"), ticket=70 + t))
+            assert isinstance(r, m.Allocated) and r.allocated == N
+            assert w.wait(10 + t)[1] == 0
+    finally:
+        w.close()
+        sched.close()
+    st = d.status()["counters"]
+    d.wait_counter("demoted_blocks", st["evicted_blocks"])
+    for ks, digest in rounds:  # all evicted by now: each comes back from disk, intact
+        assert load_when_ready(d, ks, want=N)[:2] == (N, digest)
+    assert d.status()["counters"]["promote_failed"] == 0
+
+
+def test_a_block_corrupted_in_the_pool_does_not_go_down_under_a_fresh_checksum(
+        daemon_factory, tmp_path):
+    """With checksums on, a block's bytes are checked against those recorded at its
+    store before they go down: a corruption in RAM is held back, not laundered into a
+    tier value with a valid header (which every later load would trust)."""
+    d = daemon_factory(*SMALL_POOL, "--policy", "lru", "--verify-on-load",
+                       "--disk-path", str(tmp_path / "disk"), "--disk-size", "8M")
+    ks, _ = store_round(d, "r0-", seed=1)
+    sched = scheduler(d, Spec(d.socket, pages=PAGES))
+    try:
+        hit = lookup(sched, ks[:1])
+        slot = int(unpack_u32(hit.slots)[0])
+        sched.request(m.Release(sched.next_req(), hit.lease))
+    finally:
+        sched.close()
+    # The pool's geometry: 1 MiB extents of 12 KiB slots, ids extent * 256 + index.
+    e, i = divmod(slot, (1 << 20) // 4096)
+    with open(d.pool_path, "r+b") as f:
+        f.seek(e * (1 << 20) + i * sum(PAGES) + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for r in range(1, 4):  # 256 > 170 blocks: round 0 goes down
+        store_round(d, f"r{r}-", seed=r + 1)
+    st = d.wait_counter("corrupt_held_back", 1)
+    d.wait_counter("demoted_blocks", st["counters"]["evicted_blocks"] - 1)
+    assert d.status()["counters"]["corrupt_held_back"] == 1
+    hits, _, _ = load_when_ready(d, ks)
+    assert hits == 0  # the first block is nowhere: the run ends before it
+    assert load_when_ready(d, ks[1:], want=N - 1)[0] == N - 1  # the rest went down
+
+
 def test_a_corrupt_disk_block_ends_the_run_and_is_never_served(daemon_factory, tmp_path):
     disk = tmp_path / "disk"
     d = daemon_factory(*SMALL_POOL, "--disk-path", str(disk), "--disk-size", "8M")
