@@ -136,7 +136,8 @@ class DiskTier(Tier):
         self._records = 0  # records in the journal file
         self._closed = False
         self.counts = dict.fromkeys(("written_blocks", "read_blocks", "evicted_blocks",
-                                     "corrupt_blocks", "declined_blocks"), 0)
+                                     "corrupt_blocks", "declined_blocks",
+                                     "unreadable_blocks", "bad_slots"), 0)
         data = os.path.join(path, DATA_FILE)
         try:
             os.makedirs(path, exist_ok=True)
@@ -339,8 +340,8 @@ class DiskTier(Tier):
             with self._lock:
                 self._append(puts)
         except OSError:
-            with self._lock:
-                self.allocator.free_many(slots)
+            with self._lock:  # set aside, not freed: the next put would take them first
+                self.counts["bad_slots"] += len(slots)
             raise
         with self._lock:
             for w, p in zip(placed, puts):
@@ -375,10 +376,11 @@ class DiskTier(Tier):
         iovs = [[h, v, *pad(p, scratch)] for h, v, p in zip(heads, views, pads)]
         sizes = np.array([e.slot_bytes for e in run], dtype=np.int64)
         full = vectored(os.preadv, self._fd, iovs,
-                         self._offsets([e.slot for e in run], sizes), sizes)
-        ok, bad = 0, None
+                        self._offsets([e.slot for e in run], sizes), sizes, isolate_errors=True)
+        ok, bad, why = 0, None, "corrupt_blocks"
         for e, whole, head, view in zip(run, full, heads, views):
-            if not whole:
+            if not whole:  # an I/O error (a bad sector): as unusable as a corrupt block
+                bad, why = e, "unreadable_blocks"
                 break
             h = BlockHeader.unpack(head)
             if h is None or not h.matches(ns, e.key, view):
@@ -388,10 +390,14 @@ class DiskTier(Tier):
         with self._lock:
             entries = self._entries
             if bad is not None and entries.get(k := _scoped(ns, bad.key)) is bad:
-                # Still the block we read (not evicted and reused meanwhile): corrupt.
+                # Still the block we read (not evicted and reused meanwhile): gone.
                 self.policy.remove(k)
-                self._drop([k])
-                self.counts["corrupt_blocks"] += 1
+                if why == "corrupt_blocks":
+                    self._drop([k])
+                else:  # the slot is set aside, not freed: a put would take it again
+                    del self._entries[k]
+                    self.counts["bad_slots"] += 1
+                self.counts[why] += 1
                 self._append([DiskDrop(bad.slot)])
             alive = [k for e in run[:ok] if entries.get(k := _scoped(ns, e.key)) is e]
             if alive:

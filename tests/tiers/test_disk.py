@@ -4,6 +4,7 @@ another block's bytes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -127,6 +128,51 @@ def test_a_batch_is_written_and_read_in_few_calls(tmp_path, monkeypatch):
     assert calls["pwritev"] <= 2  # adjacent slots, at most 1024 iovecs a call
     assert_hits(t, keys)
     assert calls["preadv"] <= 2
+    t.close()
+
+
+def test_a_bad_sector_is_set_aside_on_write_and_a_miss_on_read(tmp_path, monkeypatch):
+    """An I/O error under one slot: a failed write sets its batch's slots aside (the next
+    put does not take them again); a read retries slot by slot, so the blocks around
+    the bad one still read, the run ends at it, and it is forgotten, never raised."""
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    real_w, real_r = os.pwritev, os.preadv
+    bad: dict[str, int] = {}
+
+    def covers(bufs, off: int) -> bool:
+        return off <= bad["at"] < off + sum(memoryview(b).nbytes for b in bufs)
+
+    def pwritev(fd, bufs, off):
+        bad.setdefault("at", off)  # the first slot ever written
+        if covers(bufs, off):
+            raise OSError(errno.EIO, "bad sector")
+        return real_w(fd, bufs, off)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    with pytest.raises(KvdError):
+        t.put(NS, blocks(ks("a", 4)))
+    assert t.status()["bad_slots"] == 4 and t.status()["blocks"] == 0
+    for r in range(8):  # every later put lands elsewhere
+        assert t.put(NS, blocks(ks(f"b{r}-", 4))) == 4
+    assert_hits(t, ks("b7-", 4))
+
+    keys = ks("c", 8)
+    assert t.put(NS, blocks(keys)) == 8
+    bad["at"] = offset_of(tmp_path / DATA_FILE, NS, keys[5])
+
+    def preadv(fd, bufs, off):
+        if covers(bufs, off):
+            raise OSError(errno.EIO, "bad sector")
+        return real_r(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    ok, outs = read(t, keys)
+    assert ok == 5  # the five before the bad one, intact
+    assert all(np.array_equal(o, payload(NS, k)) for k, o in zip(keys[:5], outs))
+    assert t.contains(NS, keys) == 5  # forgotten: the next lookup ends there at once
+    assert_hits(t, keys[6:])
+    st = t.status()
+    assert st["unreadable_blocks"] == 1 and st["bad_slots"] == 5 and st["corrupt_blocks"] == 0
     t.close()
 
 
