@@ -43,6 +43,11 @@ class TierError(KvdError):
     """A tier below the RAM pool cannot be used right now (I/O error, cluster down,
     timeout): the daemon counts it and goes on serving from RAM."""
 
+
+class BreakerOpen(TierError):
+    """A call not made: the tier's breaker is open (or its one trial call is out); the
+    failures that opened it were counted already."""
+
     code = Code.BUSY
 
 

@@ -20,6 +20,7 @@ keeps its own journal of its own record types, read with ``read_records(path, de
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
@@ -154,7 +155,11 @@ class Journal:
         if not records:
             return
         buf = b"".join([frame(r) for r in records])
-        os.write(self._fd, buf)  # one write: a kill leaves at most one torn tail
+        n = os.write(self._fd, buf)  # one write: a kill leaves at most one torn tail
+        if n != len(buf):  # a full disk: no torn frame may sit between good ones
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - n)
+            raise OSError(errno.ENOSPC, f"journal {self.path}: {n} of {len(buf)} bytes "
+                                        "written")
         self.bytes += len(buf)
         self.records += len(records)
 

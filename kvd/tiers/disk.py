@@ -349,10 +349,13 @@ class DiskTier(Tier):
                 self.policy.insert(w.scoped, p.depth)
             self.counts["written_blocks"] += len(puts)
             compact = self._records > max(self.compact_min_records, 4 * len(self._entries))
-        if self.sync:
-            self.journal.sync()
-        if compact:
-            self._compact()
+        try:
+            if self.sync:
+                self.journal.sync()
+            if compact:
+                self._compact()
+        except OSError as e:  # the blocks are written and held; a restart may miss them
+            log.warning("disk tier %s: journal: %s", self.path, e)
         return len(puts)
 
     @_io_errors

@@ -36,7 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from kvd.errors import ConfigError, TierError
+from kvd.errors import BreakerOpen, ConfigError, TierError
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
 
 Client = redis.Redis | RedisCluster
@@ -133,7 +133,12 @@ class RedisTier(Tier):
         run = 0
         for start, end in self._batches([memoryview(o).nbytes for o in outs[:len(keys)]]):
             chunk = keys[start:end]
-            values = self._call("get_into", [("GET", _name(ns, k)) for k in chunk])
+            try:
+                values = self._call("get_into", [("GET", _name(ns, k)) for k in chunk])
+            except TierError:
+                if run:  # the batches read and verified before stay good
+                    return run
+                raise
             got = 0
             for key, value, out in zip(chunk, values, outs[start:start + len(chunk)]):
                 if not isinstance(value, bytes):  # missing (or a per-key error)
@@ -193,8 +198,8 @@ class RedisTier(Tier):
             if self._opened_at is None:
                 return
             if self._trial or self.clock() - self._opened_at < self.breaker_cooldown_s:
-                raise TierError(f"redis {what}: breaker open after {self._failures} "
-                                f"failures (last: {self.last_error})")
+                raise BreakerOpen(f"redis {what}: breaker open after {self._failures} "
+                                  f"failures (last: {self.last_error})")
             self._trial = True
 
     def _succeeded(self) -> None:

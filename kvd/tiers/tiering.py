@@ -38,7 +38,7 @@ from kvd.core.index import Index
 from kvd.core.states import NO_SLOT
 from kvd.core.tenants import Tenant
 from kvd.engines.base import checksums
-from kvd.errors import TierError
+from kvd.errors import BreakerOpen, TierError
 from kvd.tiers.base import Tier, TierBlock, make_tier
 from kvd.tiers.disk import extent_for
 
@@ -359,6 +359,8 @@ class Tiering:
 
     # ------------------------------------------------------------ operations
     def _tier_error(self, name: str, error: Exception) -> None:
+        if isinstance(error, BreakerOpen):  # no call made: its failures were counted
+            return
         self.counters.tier_errors += 1
         log.warning("%s tier: %s", name, error)
 

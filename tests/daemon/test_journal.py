@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from kvd.journal import Commit, Drop, Header, Journal, TenantRec, read_records, replay
 
 H = Header(1 << 20, 1 << 16, 4096)
@@ -41,3 +45,19 @@ def test_rewrite_is_a_compact_snapshot_plus_backlog(tmp_path):
     rp = replay(path)
     assert [b.key for b in rp.blocks.values()] == [b"z"]
     assert rp.records == 4
+
+
+def test_a_short_write_leaves_no_torn_frame_between_good_ones(tmp_path, monkeypatch):
+    """A full disk writes part of an append: it is taken back and raised, so the
+    records appended after it (once there is room) still replay."""
+    path = str(tmp_path / "j")
+    j = Journal(path)
+    j.append([H, Commit(1, b"a", 0, 0, [1])])
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, buf: real(fd, bytes(buf)[:len(buf) // 2]))
+    with pytest.raises(OSError, match="of"):
+        j.append([Commit(1, b"b", 1, 0, [2])])
+    monkeypatch.setattr(os, "write", real)
+    j.append([Commit(1, b"c", 2, 0, [3])])
+    j.close()
+    assert [b.key for b in replay(path).blocks.values()] == [b"a", b"c"]

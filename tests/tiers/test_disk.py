@@ -176,6 +176,17 @@ def test_a_bad_sector_is_set_aside_on_write_and_a_miss_on_read(tmp_path, monkeyp
     t.close()
 
 
+def test_a_journal_error_after_the_data_is_written_keeps_the_blocks(tier, monkeypatch):
+    """The blocks are written and indexed before the journal's fsync: an error there
+    is logged, not a put that failed (which would count held blocks as dropped)."""
+    def broken() -> None:
+        raise OSError(5, "journal fsync failed")
+
+    monkeypatch.setattr(tier.journal, "sync", broken)
+    assert tier.put(NS, blocks(ks("j", 4))) == 4
+    assert_hits(tier, ks("j", 4))
+
+
 def test_blocks_that_cannot_fit_are_declined_and_counted(tier):
     big = TierBlock(b"big", 0, np.zeros(EXT, np.uint8))  # + header > an extent
     assert tier.put(NS, [big] + blocks([b"a"])) == 1

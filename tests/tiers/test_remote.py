@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from kvd.errors import ConfigError, TierError
+from kvd.errors import BreakerOpen, ConfigError, TierError
 from kvd.tiers.base import HEADER_BYTES, TierBlock, make_tier
 from kvd.tiers.remote import RedisTier, parse_urls
 
@@ -245,7 +245,7 @@ def test_a_stopped_cluster_fails_fast_then_not_at_all_then_recovers(redis_cluste
         assert st["state"] == "open" and st["errors"] == 3 and st["last_error"]
         for call in (lambda: t.contains(ns, keys), lambda: t.put(ns, blocks)):
             t0 = time.monotonic()
-            with pytest.raises(TierError, match="breaker open"):
+            with pytest.raises(BreakerOpen, match="breaker open"):
                 call()
             assert time.monotonic() - t0 < 0.05
         assert t.status()["errors"] == 3  # no network was tried
@@ -262,6 +262,28 @@ def test_a_stopped_cluster_fails_fast_then_not_at_all_then_recovers(redis_cluste
     assert t.put(ns, blocks) == 8  # the trial call: it closes the breaker
     assert t.status()["state"] == "closed"
     assert t.contains(ns, keys) == 8
+    t.close()
+
+
+def test_a_read_that_fails_midway_keeps_the_batches_read_before(redis_cluster, monkeypatch):
+    """A node lost between two batches of one read: the blocks of the first batch were
+    read and verified, so they are the run (the daemon promotes them, not nothing)."""
+    t = RedisTier(redis_cluster.url, max_batch=4)
+    ns, blocks = _ns(), _blocks(8)
+    assert t.put(ns, blocks) == 8
+    real, calls = t._call, []
+
+    def node_lost_midway(what, cmds):
+        calls.append(what)
+        if calls.count("get_into") == 2:
+            raise TierError("redis get_into: node lost")
+        return real(what, cmds)
+
+    monkeypatch.setattr(t, "_call", node_lost_midway)
+    outs = _outs(8)
+    assert t.get_into(ns, [b.key for b in blocks], outs) == 4
+    assert all(np.array_equal(o, b.data) for o, b in zip(outs[:4], blocks))
+    assert all((o == SENTINEL).all() for o in outs[4:])
     t.close()
 
 
