@@ -99,6 +99,8 @@ def own_slots(index: Index, tenant: Tenant, packed: bytes | np.ndarray,
     slots = ids.astype(np.int64)
     if slots.size and int(slots.max()) >= index.allocator.max_slots:
         raise BadIds(f"slot id {int(slots.max())} out of range")
+    if state == PENDING and np.unique(slots).size != slots.size:
+        raise BadIds("a slot is named twice in one store")
     bad = (index.tenant_of[slots] != tenant.id) | (index.state[slots] != state)
     if bad.any():
         s = int(slots[np.argmax(bad)])
@@ -128,6 +130,9 @@ class Transfers:
         self.stopping = stopping
         self.tickets: Tickets[tuple[Client, m.Transfer]] = Tickets()
         self.owners: dict[CopyJob, Client] = {}  # jobs inside an engine
+        # Per slot, the ranks whose store into it is being copied: a second one by the
+        # same rank would still write after the first made the block READY.
+        self.writing = np.zeros(index.allocator.max_slots, dtype=np.uint64)
         self.on_finished: Callable[[m.Direction, bool, float], None] = lambda *a: None
 
     @property
@@ -203,17 +208,20 @@ class Transfers:
         if msg.ticket:
             if not store or msg.slots:
                 raise BadIds("a ticket stands for the slots of a store; send one or the other")
-            ticketed = self.tickets.take(tenant.id, msg.ticket)
-            if ticketed is None:  # its Allocate is still on the way (another connection)
+            claimed = self.tickets.claim(tenant.id, msg.ticket)
+            if claimed is None:  # its Allocate is still on the way (another connection)
                 until = self.clock() + TICKET_WAIT_S
                 if msg.deadline_ns:
                     until = min(until, msg.deadline_ns / 1e9)
                 self.tickets.park(tenant.id, msg.ticket, (client, msg), until)
                 return None
+            ticketed, gens = claimed
             if len(blocks) != len(ticketed):
                 raise BadIds(f"{len(blocks)} block ids for the {len(ticketed)} keys of "
                              f"ticket {msg.ticket}")
             keep = ticketed != NO_SLOT
+            if gens is not None and keep.any():  # given up and handed out again since
+                keep[keep] = self.index.gen[ticketed[keep].astype(np.int64)] == gens[keep]
             blocks, ticketed = blocks[keep], ticketed[keep]
             if not ticketed.size:  # kvd holds every block already: nothing to copy
                 return self.done(client, msg)
@@ -226,11 +234,14 @@ class Transfers:
             raise BadIds(f"block id {int(blocks.max())} beyond the registered "
                          f"{client.num_blocks} blocks")
         if store and slots.size:
-            done = (self.index.rank_mask[slots] >> np.uint64(client.rank)) & np.uint64(1)
+            done = ((self.index.rank_mask[slots] | self.writing[slots])
+                    >> np.uint64(client.rank)) & np.uint64(1)
             if done.any():
-                raise BadIds(f"rank {client.rank} already stored slot "
+                raise BadIds(f"rank {client.rank} already stored (or is storing) slot "
                              f"{int(slots[np.argmax(done)])}")
         job = self._job(client, tenant, msg, blocks, slots)
+        if store and slots.size:  # cleared by _settle, which every accepted job reaches
+            self.writing[slots] |= np.uint64(1 << client.rank)
         self.index.pin(slots)
         self.owners[job] = client
         client.inflight += 1
@@ -275,8 +286,11 @@ class Transfers:
     def add_ticket(self, tenant: Tenant, ticket: int, slots: np.ndarray,
                    until: float) -> None:
         """An Allocate's slots under its ticket; Transfers that overtook it run now."""
+        valid = slots != NO_SLOT
+        gens = np.zeros(len(slots), dtype=np.uint32)
+        gens[valid] = self.index.gen[slots[valid].astype(np.int64)]
         for sender, transfer in self.tickets.add(tenant.id, ticket, slots, tenant.tp_size,
-                                                 until):
+                                                 until, gens):
             if not sender.gone:
                 reply = self.accept(sender, transfer)
                 if reply is not None:
@@ -303,6 +317,8 @@ class Transfers:
 
     def _settle(self, client: Client, job: CopyJob, error: Exception | None) -> None:
         self.index.unpin(job.slots)
+        if job.direction == m.Direction.STORE and job.slots.size:
+            self.writing[job.slots] &= ~np.uint64(1 << client.rank)
         if error is None and job.direction == m.Direction.STORE:
             self.index.store_done(job.slots, client.rank, job.checksums)
             self.counters.stored_bytes += job.nbytes

@@ -87,6 +87,7 @@ class Index:
         self.pins = np.zeros(n, dtype=np.int32)
         self.tenant_of = np.zeros(n, dtype=np.uint32)
         self.rank_mask = np.zeros(n, dtype=np.uint64)
+        self.gen = np.zeros(n, dtype=np.uint32)  # bumped each time a slot is handed out
         self._depth = np.zeros(n, dtype=np.int64)  # of PENDING and READY blocks
         self._slot_key: dict[int, bytes] = {}
         self._slot_tenant: dict[int, Tenant] = {}
@@ -216,8 +217,8 @@ class Index:
     def unpin(self, slots: np.ndarray) -> None:
         self.pins[slots] -= 1
         self._pin_calls -= 1
-        if self._doomed:
-            for s in [int(s) for s in slots if int(s) in self._doomed]:
+        if self._doomed:  # a set: a slot repeated in ``slots`` is freed once
+            for s in {s for s in slots.tolist() if s in self._doomed}:
                 if self.pins[s] == 0:
                     self._doomed.discard(s)
                     self.evictor.free(s)
@@ -282,6 +283,7 @@ class Index:
             self.state[arr] = PENDING
             self.tenant_of[arr] = tenant.id
             self.rank_mask[arr] = 0
+            self.gen[arr] += 1
             self._depth[arr] = (np.arange(depth, depth + len(got)) if fresh
                                 else np.array(new, dtype=np.int64) + depth)
         return AllocateResult(slots[:answered], evicted, answered, total)

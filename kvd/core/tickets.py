@@ -29,6 +29,7 @@ class _Ticket:
     slots: np.ndarray  # one per Allocate key; NO_SLOT where nothing is to be stored
     ranks_left: int
     deadline: float
+    gens: np.ndarray | None = None  # the slots' allocation numbers when handed out
 
 
 @dataclass(eq=False)
@@ -49,24 +50,32 @@ class Tickets(Generic[T]):
         return (tenant, ticket) in self._held
 
     def add(self, tenant: int, ticket: int, slots: np.ndarray, ranks: int,
-            deadline: float) -> list[T]:
-        """Keep ``slots`` under the ticket; returns the Transfers that came first."""
+            deadline: float, gens: np.ndarray | None = None) -> list[T]:
+        """Keep ``slots`` (and their allocation numbers, ``gens``) under the ticket;
+        returns the Transfers that came first."""
         key = (tenant, ticket)
         if key in self._held:
             raise TicketError(f"ticket {ticket} is in use; pick another")
-        self._held[key] = _Ticket(np.array(slots, dtype=np.uint32), max(1, ranks), deadline)
+        self._held[key] = _Ticket(np.array(slots, dtype=np.uint32), max(1, ranks), deadline,
+                                  gens)
         return [item for _, item in self._parked.pop(key, ())]
 
     def take(self, tenant: int, ticket: int) -> np.ndarray | None:
         """The ticket's slots for one rank's store (the last rank retires the ticket);
         None while the ticket is not known (park the Transfer)."""
+        got = self.claim(tenant, ticket)
+        return None if got is None else got[0]
+
+    def claim(self, tenant: int, ticket: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """``take``, with the allocation numbers the slots had when the ticket was added:
+        a slot given up and handed out again since must not receive this store."""
         held = self._held.get((tenant, ticket))
         if held is None:
             return None
         held.ranks_left -= 1
         if held.ranks_left == 0:
             del self._held[(tenant, ticket)]
-        return held.slots
+        return held.slots, held.gens
 
     def park(self, tenant: int, ticket: int, item: T, deadline: float) -> None:
         self._parked.setdefault((tenant, ticket), []).append((deadline, item))

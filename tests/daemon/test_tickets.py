@@ -8,7 +8,7 @@ import pytest
 
 from kvd_client import Connection, RemoteError
 from kvd_proto import messages as m
-from kvd_proto.ids import NO_SLOT, unpack_u32
+from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
 from tests.daemon.test_integration import keys, lookup, scheduler
 from tests.daemon.workers import Spec, Worker
 
@@ -61,4 +61,42 @@ def test_ticketed_stores_across_ranks_overtaking_and_misuse(daemon):
     finally:
         for w in (w0, w1):
             w.close()
+        sched.close()
+
+
+def test_a_ticket_whose_slot_was_given_up_and_handed_out_again_stores_nothing(daemon):
+    """The scheduler gave ticket 7's slot up (its request went away) and the slot went
+    to another key under ticket 8: a late store by ticket 7 must not land in it."""
+    spec = Spec(daemon.socket, seed=5)
+    sched, w = scheduler(daemon, spec), Worker(spec)
+    r = Worker(Spec(daemon.socket, seed=None))
+    try:
+        a = unpack_u32(allocate(sched, keys(1, "a"), 7).slots)
+        sched.request(m.Abort(sched.next_req(), pack_u32(a)))
+        b = unpack_u32(allocate(sched, keys(1, "b"), 8).slots)
+        assert b[0] == a[0]  # the same slot, handed out again
+        code, _, nbytes = w.store(1, [0], [], ticket=7)[1:4]
+        assert (code, nbytes) == (0, 0)  # nothing copied
+        assert w.store(2, [1], [], ticket=8)[1] == 0  # b's own store, of block 1
+        hit = lookup(sched, keys(1, "b"))
+        assert hit.hits == 1
+        assert r.load(3, [0], unpack_u32(hit.slots))[1] == 0
+        assert r.digest([0]) == w.digest([1])
+    finally:
+        for x in (w, r):
+            x.close()
+        sched.close()
+
+
+def test_a_store_that_names_a_slot_twice_is_refused(daemon):
+    spec = Spec(daemon.socket, seed=6)
+    sched, w = scheduler(daemon, spec), Worker(spec)
+    try:
+        s = unpack_u32(sched.request(m.Allocate(sched.next_req(), keys(2, "d"))).slots)
+        code, message = w.store(1, [0, 1], [s[0], s[0]])[1:3]
+        assert code == m.Code.BAD_IDS and "twice" in message
+        assert w.store(2, [0, 1], list(s))[1] == 0  # the same slots, each once: fine
+        assert lookup(sched, keys(2, "d")).hits == 2
+    finally:
+        w.close()
         sched.close()
