@@ -78,6 +78,9 @@ class Connection:
         self.stats = ClientStats()
         self.daemon_pid = 0
         self.instance = ""
+        # Registrations so far: a new one is a new socket identity, so leases taken by an
+        # earlier one may be gone (the daemon drops a silent identity's leases).
+        self.epoch = 0
         self.registered: m.Registered | None = None
         self._register: m.Register | None = register
         self._req = itertools.count(1)
@@ -400,6 +403,7 @@ class _IO:
         self.phase = "up"
         self.backoff = 0.05
         c.registered = reg
+        c.epoch += 1
         c._up.set()
         log.info("connected to kvd (pid %d) at %s", c.daemon_pid, c.endpoint)
         if c.on_ready is not None:
@@ -414,6 +418,7 @@ class _IO:
         was_up = c._up.is_set()
         c._up.clear()
         self.phase = "down"
+        self.ping_req = 0  # its answer cannot come: not a second loss once back up
         self.next_attempt = time.monotonic() + self.backoff
         self.backoff = min(self.backoff * 2, 2.0)
         if was_up and not quiet:

@@ -75,6 +75,7 @@ class _Req:
     gave_up: bool = False  # no usable reply (deadline, error): the rest is a miss
     lease: int = 0
     lease_until: float = 0.0
+    epoch: int = 0  # the connection's registration the Lookup went out on
     instance: str = ""
     refresh: bool = False  # answered HIT_PENDING: ask again at the end of the step
     loaded: bool = False
@@ -140,7 +141,9 @@ class KvdManager(OffloadingManager):
                 st.phase, st.gave_up = ANSWERED, True
             else:
                 return RETRY
-        if st.hits and now >= st.lease_until:  # the lease may lapse before a load: ask again
+        # The lease may lapse before a load, or belong to a connection since replaced
+        # (the daemon drops its leases; their slots may hold other keys): ask again.
+        if st.hits and (now >= st.lease_until or st.epoch != self.conn.epoch):
             return self._ask_again(st, key)
         if key in st.hits:
             return HIT
@@ -196,7 +199,7 @@ class KvdManager(OffloadingManager):
     def _send_lookup(self, st: _Req, keys: list[bytes]) -> None:
         now = time.monotonic()
         st.sent, st.keys, st.refresh = keys, {}, False
-        st.instance = self.conn.instance
+        st.instance, st.epoch = self.conn.instance, self.conn.epoch
         st.future = self.conn.submit(m.Lookup(self.conn.next_req(), keys,
                                               lease_ms=self.options.lease_ms,
                                               depth=self._depth(st.ctx, keys[0])))
@@ -242,7 +245,7 @@ class KvdManager(OffloadingManager):
 
     def _prepare_load(self, keys: list[bytes], req_context: ReqContext) -> KvdSlots:
         st = self._reqs.get(req_context.req_id)
-        hits = st.hits if st is not None else {}
+        hits = st.hits if st is not None and st.epoch == self.conn.epoch else {}
         slots = np.array([hits.get(k, NO_SLOT) for k in keys], dtype=np.uint32)
         if st is not None:
             st.loaded = True

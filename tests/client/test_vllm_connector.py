@@ -37,6 +37,7 @@ from kvd_client.vllm.fingerprint import (  # noqa: E402
 from kvd_client.vllm.manager import KvdManager  # noqa: E402
 from kvd_client.vllm.spec import KvdOptions, KvdSlots  # noqa: E402
 from kvd_client.vllm.worker import KvdWorker, _HostPath  # noqa: E402
+from kvd_proto.ids import NO_SLOT  # noqa: E402
 from kvd_proto.messages import HostRegion  # noqa: E402
 
 HIT, MISS, RETRY, PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
@@ -317,6 +318,33 @@ def test_without_a_daemon_everything_degrades_at_once(tmp_path):
     finally:
         mgr.shutdown()
         worker.shutdown()
+
+
+def test_hits_from_a_connection_since_replaced_are_never_loaded(engine_side, daemon):
+    """The daemon stopped answering (paused), the scheduler's connection was given up
+    and a new one registered: the daemon drops the old identity's leases, so their
+    slots may hold other keys. Hits from before are not loaded; the scan asks again."""
+    mgr, worker, _ = engine_side
+    keys = keys_for("e", 2)
+    store(mgr, worker, keys, [1, 2], job_id=0)
+    ctx = request("r7", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT, HIT]
+    epoch = mgr.conn.epoch
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while mgr.conn.up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not mgr.conn.up
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert mgr.conn.wait_up(10) and mgr.conn.epoch == epoch + 1
+    assert (mgr.prepare_load(keys, ctx).slots == NO_SLOT).all()  # a failed load: recompute
+    ctx2 = request("r8", keys)
+    mgr.on_new_request(ctx2)
+    assert answer(mgr, ctx2, keys) == [HIT, HIT]  # asked anew, on the new connection
+    assert (mgr.prepare_load(keys, ctx2).slots != NO_SLOT).all()
 
 
 def test_slots_of_a_previous_daemon_run_are_never_used(engine_side, daemon):
