@@ -206,7 +206,7 @@ class Service:
         if old is not None:
             self.client_gone(identity)
         client = Client(self._next_client, identity, peer.pid or msg.pid, msg.name, msg.pid,
-                        uid=peer.uid, admin=self.access.admin(peer),
+                        peer_pid=peer.pid, uid=peer.uid, admin=self.access.admin(peer),
                         last_seen=self.clock())
         self._next_client += 1
         self.clients[identity] = client
@@ -249,6 +249,14 @@ class Service:
     def _attach_memory(self, client: Client, tenant: Tenant, msg: m.Register) -> None:
         """Pick the data path from what the client registered and open its memory."""
         kind = "client_copy" if msg.client_copy else "cuda" if msg.cuda_regions else "host"
+        if kind == "host" and client.peer_pid <= 0:
+            # The pid would be the client's word: copying another process's memory by it
+            # (or, across PID namespaces, some other process of that number) is refused.
+            raise KvdError(
+                f"the kernel did not name the client's process (it says pid {client.hello_pid}; "
+                "another PID namespace?): the host data path copies by pid and needs one the "
+                "kernel vouches for. Fix: run the engine in the daemon's PID namespace "
+                "(docker --pid=host, Kubernetes hostPID: true)", m.Code.PERMISSION)
         engine = self.engines.get(kind)
         if engine is None:
             raise RequestError(f"this daemon has no {kind} data path"
@@ -264,7 +272,7 @@ class Service:
         if kind == "cuda":
             from kvd.engines.cuda import refuse_foreign_pid_namespace
 
-            refuse_foreign_pid_namespace(client.hello_pid, client.pid)
+            refuse_foreign_pid_namespace(client.hello_pid, client.peer_pid)
         regions = msg.cuda_regions or msg.host_regions
         if len(regions) != len(tenant.rank_page_bytes):
             raise RequestError(
@@ -309,16 +317,24 @@ class Service:
         return reply
 
     def _allocate(self, client: Client, tenant: Tenant, msg: m.Allocate) -> m.Reply:
-        self._check_keys(msg.keys)
-        pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
-        room = self.config.max_pending_blocks - self.index.pending_by.get(client.id, 0)
-        if room <= 0:
-            raise KvdError(f"pending-store quota of {self.config.max_pending_blocks} blocks "
-                           "reached; finish or abort stores first", m.Code.BUSY)
         if msg.ticket and self.transfers.ticket_in_use(tenant, msg.ticket):
             raise RequestError(f"ticket {msg.ticket} is in use; pick another")
-        # Only the first `room` keys may get slots (keys already stored take none).
         now = self.clock()
+        pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
+        try:
+            self._check_keys(msg.keys)
+            room = self.config.max_pending_blocks - self.index.pending_by.get(client.id, 0)
+            if room <= 0:
+                raise KvdError(f"pending-store quota of {self.config.max_pending_blocks} "
+                               "blocks reached; finish or abort stores first", m.Code.BUSY)
+        except KvdError:
+            if msg.ticket:  # the workers' stores by it end at once, copying nothing,
+                # instead of waiting for an allocation that will never come
+                self.transfers.add_ticket(tenant, msg.ticket,
+                                          np.full(len(msg.keys), NO_SLOT, dtype=np.uint32),
+                                          now + pending_s)
+            raise
+        # Only the first `room` keys may get slots (keys already stored take none).
         res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
                                   now=now, pending_s=pending_s)
         # What this evicted is copied down (and journaled) before a Transfer that

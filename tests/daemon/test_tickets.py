@@ -100,3 +100,40 @@ def test_a_store_that_names_a_slot_twice_is_refused(daemon):
     finally:
         w.close()
         sched.close()
+
+
+def test_stores_by_a_refused_allocation_end_at_once_copying_nothing(daemon_factory, tmp_path):
+    """An Allocate refused (too many keys, the pending-store quota) leaves its ticket
+    with no slots: the workers' stores by it, sent before or after the refusal, end
+    without waiting out the ticket wait, and nothing is stored."""
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text("max_keys_per_request = 4\nmax_pending_blocks = 3\n")
+    daemon = daemon_factory("--config", str(cfg))
+    spec = Spec(daemon.socket, seed=8)
+    sched, w = scheduler(daemon, spec), Worker(spec)
+    try:
+        t0 = time.monotonic()
+        assert w.send_store(1, range(5), ticket=90)  # overtakes its Allocate
+        time.sleep(0.1)
+        with pytest.raises(RemoteError) as too_many:
+            allocate(sched, keys(5, "big"), 90)
+        assert too_many.value.code == m.Code.BAD_REQUEST
+        assert w.wait(1)[1:4:2] == (0, 0)  # ended, nothing copied
+        assert time.monotonic() - t0 < 1.0  # not the 2 s a missing Allocate waits
+
+        held = unpack_u32(allocate(sched, keys(3, "q"), 91).slots)
+        assert (held != NO_SLOT).all()  # the quota is now in use
+        with pytest.raises(RemoteError) as busy:
+            allocate(sched, keys(2, "late"), 92)
+        assert busy.value.code == m.Code.BUSY
+        t0 = time.monotonic()
+        assert w.store(2, range(2), [], ticket=92)[1:4:2] == (0, 0)
+        assert time.monotonic() - t0 < 1.0
+        assert w.store(3, range(3), [], ticket=91)[3] == 3 * sum(spec.pages)
+        assert lookup(sched, keys(3, "q")).hits == 3
+        assert lookup(sched, keys(2, "late")).hits == 0
+        assert lookup(sched, keys(4, "big")).hits == 0
+        assert daemon.status()["counters"]["stored_blocks"] == 3
+    finally:
+        w.close()
+        sched.close()
