@@ -211,7 +211,7 @@ class Server:
 
     # ------------------------------------------------------------ liveness
     def _watch(self, client: Client) -> None:
-        pid = client.pid
+        pid = client.peer_pid  # a pid the client only claims may be another process's
         if pid <= 0 or pid in self._pidfds:
             return
         try:

@@ -44,6 +44,7 @@ class Client:
     pid: int
     name: str = ""
     hello_pid: int = 0  # the pid the client says it has (differs across PID namespaces)
+    peer_pid: int = 0  # the pid the kernel reports for the socket's peer (0: it did not)
     tenant: Tenant | None = None
     rank: int = -1
     engine: TransferEngine | None = None
