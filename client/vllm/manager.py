@@ -342,10 +342,15 @@ class KvdManager(OffloadingManager):
 
     # ------------------------------------------------------------ helpers
     def _drop_all(self) -> None:
-        reqs, self._reqs = list(self._reqs.values()), {}
+        # A load already handed to the workers keeps its lease until complete_load or
+        # the request's end (vLLM lets the jobs in flight finish across a reset): freed
+        # now, its slots could take other blocks before the workers' Transfer arrives.
+        reqs = self._reqs
+        self._reqs = {r: st for r, st in reqs.items() if st.loaded and st.lease}
         self._to_send, self._refresh = [], []
-        for st in reqs:
-            self._drop(st)
+        for r, st in reqs.items():
+            if r not in self._reqs:
+                self._drop(st)
         self._reap_abandoned()
 
     def _drop(self, st: _Req) -> None:

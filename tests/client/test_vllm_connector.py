@@ -186,7 +186,14 @@ def test_leases_released_on_reset_cache_and_shutdown(engine_side, daemon):
         mgr.on_new_request(ctx)
         assert answer(mgr, ctx, keys) == [HIT] * 3
     assert wait_leases(daemon, 2) == 2
+    loading = request("r6", keys)  # its load is handed to the workers when the reset comes
+    mgr.on_new_request(loading)
+    assert answer(mgr, loading, keys) == [HIT] * 3
+    assert (mgr.prepare_load(keys, loading).slots != NO_SLOT).all()
+    assert wait_leases(daemon, 3) == 3
     mgr.reset_cache()  # vLLM drops its prefix cache and the connector's state
+    assert wait_leases(daemon, 1) == 1  # not the load's: its slots must stay these keys'
+    mgr.complete_load(keys, loading)  # vLLM finishes the jobs in flight across a reset
     assert wait_leases(daemon, 0) == 0
     ctx = request("r9", keys)
     mgr.on_new_request(ctx)
