@@ -8,6 +8,7 @@ same-value write per page, which keeps a persisted pool's bytes) so the first st
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -37,9 +38,18 @@ class Pool:
         self.keep = keep
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise ConfigError(f"cannot open pool file {path}: {e.strerror}") from None
+        try:
+            # Held for the daemon's life: a second daemon on the same file would empty
+            # (or share) the pool under the first one's index and serve wrong bytes.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(f"pool file {path} is in use by another kvd; give each daemon "
+                              "its own pool_path") from None
+        self._fd = fd
         try:
             self.reused = keep and os.fstat(fd).st_size == size
             if not self.reused:
@@ -47,12 +57,14 @@ class Pool:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
+            os.close(fd)
             raise ConfigError(
                 f"cannot size pool file {path} to {size} bytes: {e.strerror} "
                 "(is /dev/shm large enough?)"
             ) from None
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.base = self.array.ctypes.data
         if prefault:
@@ -85,3 +97,6 @@ class Pool:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self._fd >= 0:  # after the unlink: a daemon that locks the path next is not
+            os.close(self._fd)  # the one whose file goes
+            self._fd = -1

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import stat
 import time
 
@@ -45,6 +46,9 @@ class Server:
         self.stopping = asyncio.Event()
         # systemd, metrics, SIGHUP and the graceful stop live in kvd.lifecycle.
         self.lifecycle = Lifecycle(self, origins, reload_config)
+        if _listening(config.socket):  # before the pool: a refusal leaves nothing behind
+            raise ConfigError(f"another kvd is listening at {config.socket}; stop it or "
+                              "give this one another socket")
         with self.lifecycle.preparing(f"preparing pool: {config.pool_size >> 20} MiB at "
                                       f"{config.pool_path}", config.pool_size):
             self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
@@ -237,9 +241,13 @@ class Server:
             log.exception("publishing KV events failed")
 
     def _tick(self) -> None:
-        self.service.tick()
-        if not self.stopping.is_set():
-            self.loop.call_later(TICK_S, self._tick)
+        try:
+            self.service.tick()
+        except Exception:  # noqa: BLE001 - expiry and cleanup must go on ticking
+            log.exception("housekeeping tick failed")
+        finally:
+            if not self.stopping.is_set():
+                self.loop.call_later(TICK_S, self._tick)
 
     # ------------------------------------------------------------ run
     async def run(self) -> None:
@@ -294,3 +302,16 @@ async def serve(config: Config, origins: dict[str, str] | None = None,
                 reload_config: ReloadFn | None = None) -> None:
     server = Server(config, origins, reload_config)
     await server.run()
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:  # refused (stale), or gone: free to take
+        return False
+    finally:
+        probe.close()

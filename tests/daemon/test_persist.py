@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 
@@ -136,3 +138,26 @@ def test_clean_stop_with_persistence_keeps_everything(daemon_factory):
     hits, got, _ = load_digest(d, ks)
     assert hits == 5 and got == digest
     assert np.all(np.array([hits]) == 5)
+
+
+def test_a_second_daemon_on_the_same_pool_or_socket_is_refused(daemon_factory, tmp_path):
+    """Another kvd started on a live daemon's pool file (it would empty or share the pool
+    under the first one's index) or its socket (it would take its clients) stops with
+    a clear error; the first one goes on serving its blocks, whose file stays."""
+    d = persistent(daemon_factory)
+    ks, _, digest = store(d, 4)
+    for other in (
+        [d.socket.replace(".sock", "-b.sock"), d.pool_path],  # same pool
+        [d.socket, d.pool_path.replace(".pool", "-b.pool")],  # same socket
+    ):
+        r = subprocess.run([sys.executable, "-m", "kvd.cli.serve", "serve", "--socket",
+                            other[0], "--pool-path", other[1], "--pool-size", "64M",
+                            "--extent-size", "1M", "--metrics-port", "0", "--persist"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert "in use by another kvd" in r.stderr or "another kvd is listening" in r.stderr
+        assert "Traceback" not in r.stderr
+        assert not os.path.exists(other[1]) or other[1] == d.pool_path  # nothing left
+    assert os.path.exists(d.socket) and os.path.exists(d.pool_path)
+    hits, got, code = load_digest(d, ks)
+    assert (hits, code, got) == (4, 0, digest)
