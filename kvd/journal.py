@@ -169,24 +169,34 @@ class Journal:
         self.swap_snapshot([])
 
     def write_snapshot(self, records: Iterable[msgspec.Struct]) -> None:
-        """Write a snapshot beside the journal (any thread; the journal stays in use)."""
+        """Write a snapshot beside the journal (any thread; the journal stays in use).
+        On an error the snapshot is removed and the journal stays as it was."""
         data = b"".join([frame(r) for r in records])
-        fd = os.open(self.path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data)
+            _write_all(fd, data, tmp)
             os.fsync(fd)
+        except OSError:
+            _discard(tmp)
+            raise
         finally:
             os.close(fd)
         self._snapshot_bytes = len(data)
 
     def swap_snapshot(self, backlog: Sequence[msgspec.Struct]) -> None:
-        """Append what was journaled since the snapshot, then make it the journal."""
+        """Append what was journaled since the snapshot, then make it the journal.
+        On an error the snapshot is removed and the journal stays as it was."""
         tmp = self.path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND)
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         tail = b"".join([frame(r) for r in backlog])
-        if tail:
-            os.write(fd, tail)
-        os.rename(tmp, self.path)  # atomic: a kill sees the old or the new journal
+        try:
+            _write_all(fd, tail, tmp)
+            os.rename(tmp, self.path)  # atomic: a kill sees the old or the new journal
+        except OSError:
+            os.close(fd)
+            _discard(tmp)
+            raise
         os.close(self._fd)
         self._fd = fd
         self.bytes = self._snapshot_bytes + len(tail)
@@ -198,3 +208,16 @@ class Journal:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _write_all(fd: int, data: bytes, path: str) -> None:
+    """One write of all of ``data``; a short one (a full disk) is an error, not a cut."""
+    if data and os.write(fd, data) != len(data):
+        raise OSError(errno.ENOSPC, f"{path}: short write (disk full?)")
+
+
+def _discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -18,10 +18,11 @@ import numpy as np
 from kvd.core.index import Index
 from kvd.core.tenants import Tenant, Tenants
 from kvd.engines.base import checksums
-from kvd.journal import Commit, Drop, Header, Journal, Record, TenantRec, replay
+from kvd.journal import Commit, Drop, Header, Journal, Record, Replay, TenantRec, replay
 
 log = logging.getLogger("kvd.persist")
 COMPACT_MIN_RECORDS = 50_000
+RETRY_S = 30.0  # after a failed journal write, the next try at a full snapshot
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Recovery:
     unplaceable: int = 0
     seconds: float = 0.0
     discarded: str = ""  # why an old journal was not used
+    errors: int = 0  # journal writes that failed (records lost until the next snapshot)
 
 
 class Persistence:
@@ -41,14 +43,22 @@ class Persistence:
         self.recovery = Recovery()
         self._compacting: threading.Thread | None = None
         self._backlog: list[Record] | None = None
+        self._failed = ""  # why the compaction thread's snapshot failed
+        # Records were lost (a write failed): a snapshot writes the whole state again.
+        self._dirty = False
+        self._retry_at = 0.0
         self.journal: Journal | None = None
 
     # ------------------------------------------------------------ start
     def recover(self, index: Index, tenants: Tenants, pool: np.ndarray, reused: bool) -> Recovery:
         """Restore verified blocks into ``index``; then start a fresh compact journal."""
         t0 = time.monotonic()
-        rp = replay(self.path)
         rec = self.recovery
+        try:
+            rp = replay(self.path)
+        except OSError as e:  # the daemon starts all the same, with an empty pool
+            rp = Replay(None, {}, {}, 0)
+            rec.discarded = f"journal unreadable: {e.strerror or e}"
         rec.records = rp.records
         if rp.header is None and rp.records:
             rec.discarded = "journal has no header"
@@ -61,8 +71,18 @@ class Persistence:
         else:
             self._restore(index, tenants, pool, rp)
         index.events.clear()  # the snapshot below already says all of it
-        self.journal = Journal(self.path)
-        self.journal.rewrite(self.snapshot(index, tenants))
+        try:
+            self.journal = Journal(self.path)
+            self.journal.rewrite(self.snapshot(index, tenants))
+        except OSError as e:
+            # Serving beats persisting: a stale journal left behind restores only
+            # blocks whose bytes still match their checksums.
+            log.error("cannot write the journal %s (%s): serving without persistence "
+                      "until the next start", self.path, e.strerror or e)
+            rec.errors += 1
+            if self.journal is not None:
+                self.journal.close()
+            self.journal = None
         rec.seconds = time.monotonic() - t0
         if rp.records:
             log.info("restored %d blocks from the journal (%d corrupt dropped, %d not "
@@ -123,19 +143,35 @@ class Persistence:
                      else Drop(e[1]) for e in events])
 
     def _write(self, records: list[Record]) -> None:
-        assert self.journal is not None
-        self.journal.append(records)
-        if self._backlog is not None:
+        if self.journal is None:
+            return
+        if self._backlog is not None:  # a snapshot being written gets them after it
             self._backlog.extend(records)
+        try:
+            self.journal.append(records)
+        except OSError as e:
+            # The index change stands (the checksums keep a restart from restoring a
+            # block whose record went missing); the next snapshot writes them again.
+            self._broken(f"journal append failed: {e.strerror or e}")
+
+    def _broken(self, why: str) -> None:
+        self.recovery.errors += 1
+        self._dirty = True
+        self._retry_at = time.monotonic() + RETRY_S
+        if self.recovery.errors == 1 or self.recovery.errors % 1000 == 0:
+            log.error("%s (%d journal errors so far); a full snapshot is retried in %.0fs",
+                      why, self.recovery.errors, RETRY_S)
 
     def maybe_compact(self, index: Index, tenants: Tenants) -> None:
-        """Rewrite the journal in a thread once it holds many more records than blocks."""
+        """Rewrite the journal in a thread once it holds many more records than blocks,
+        or once a failed write lost records."""
         j = self.journal
-        if j is None or self._compacting is not None:
+        if j is None or self._compacting is not None or time.monotonic() < self._retry_at:
             return
-        if j.records < max(COMPACT_MIN_RECORDS, 4 * index.ready_blocks):
+        if not self._dirty and j.records < max(COMPACT_MIN_RECORDS, 4 * index.ready_blocks):
             return
         snap = self.snapshot(index, tenants)  # taken on the loop: consistent
+        self._dirty = False
         self._backlog = []
         self._compacting = threading.Thread(target=self._compact, args=(snap,),
                                             name="kvd-compact", daemon=True)
@@ -146,8 +182,7 @@ class Persistence:
             assert self.journal is not None
             self.journal.write_snapshot(snap)
         except OSError as e:
-            log.warning("journal compaction failed: %s", e)
-            self._failed = True
+            self._failed = e.strerror or str(e)
 
     def finish_compaction(self) -> None:
         """On the loop: when the snapshot is written, add what came meanwhile and swap."""
@@ -157,11 +192,15 @@ class Persistence:
         self._compacting = None
         backlog, self._backlog = self._backlog or [], None
         assert self.journal is not None
-        if getattr(self, "_failed", False):
-            self._failed = False
-            return
-        self.journal.swap_snapshot(backlog)
-        log.info("journal compacted to %d bytes", self.journal.bytes)
+        failed, self._failed = self._failed, False
+        if not failed:
+            try:
+                self.journal.swap_snapshot(backlog)
+                log.info("journal compacted to %d bytes", self.journal.bytes)
+                return
+            except OSError as e:
+                failed = e.strerror or str(e)
+        self._broken(f"journal compaction failed: {failed}")
 
     def close(self) -> None:
         if self._compacting is not None:

@@ -100,4 +100,4 @@ def _persistence(svc: Sources) -> dict:
             "journal_bytes": p.journal.bytes if p.journal else 0,
             "restored_blocks": r.restored, "corrupt_dropped": r.corrupt,
             "unplaceable": r.unplaceable, "restore_s": round(r.seconds, 3),
-            "discarded": r.discarded}
+            "discarded": r.discarded, "journal_errors": r.errors}

@@ -1,0 +1,111 @@
+"""The pool journal when the disk fails: the daemon keeps serving, nothing wrong is kept.
+
+Disk errors are injected at ``os.write`` (a full disk cannot be made without a mount);
+everything else is the real journal, index and policy."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from kvd import persist
+from kvd.core.allocator import Allocator
+from kvd.core.index import NO_SLOT, Index
+from kvd.core.policies import make_policy
+from kvd.core.tenants import Tenants
+from kvd.journal import Commit, Header, read_records, replay
+from kvd.persist import Persistence
+
+BLOCK = 4096
+H = Header(16 * BLOCK, 4 * BLOCK, BLOCK)
+
+
+def full_disk(fd, buf):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def setup(path: str):
+    ix = Index(Allocator(16 * BLOCK, 4 * BLOCK, 1024), make_policy("lru", 16), record=True)
+    tenants = Tenants()
+    t = tenants.get_or_create("t", model="m", tp_size=1, rank_page_bytes=(BLOCK,))
+    p = Persistence(path, H)
+    p.recover(ix, tenants, np.zeros(16 * BLOCK, np.uint8), reused=True)
+    p.tenant_added(t)
+    return ix, tenants, t, p
+
+
+def store(ix, t, p, keys: list[bytes]) -> None:
+    r = ix.allocate(t, keys)
+    ix.store_done(np.array([s for s in r.slots if s != NO_SLOT], dtype=np.int64), 0,
+                  [7] * len(keys))
+    p.drain(ix)
+
+
+def test_lost_journal_records_are_written_again_by_the_next_snapshot(tmp_path, monkeypatch):
+    path = str(tmp_path / "pool.journal")
+    monkeypatch.setattr(persist, "RETRY_S", 0.0)
+    ix, tenants, t, p = setup(path)
+    keys = [bytes([i]) * 8 for i in range(4)]
+    store(ix, t, p, keys[:2])
+    real = os.write
+    monkeypatch.setattr(os, "write", full_disk)
+    store(ix, t, p, keys[2:])  # no error reaches the caller: the index change stands
+    assert p.recovery.errors == 1 and ix.events == []
+    assert {b.key for b in replay(path).blocks.values()} == set(keys[:2])  # a gap
+    monkeypatch.setattr(os, "write", real)  # room again
+    p.maybe_compact(ix, tenants)  # records were lost: a full snapshot, however small
+    assert p._compacting is not None
+    p._compacting.join()
+    p.finish_compaction()
+    assert {b.key for b in replay(path).blocks.values()} == set(keys)
+    store(ix, t, p, [b"late" * 2])  # appends go on into the new journal
+    assert len(replay(path).blocks) == 5
+    p.close()
+
+
+def test_a_failed_compaction_keeps_the_journal_and_is_retried(tmp_path, monkeypatch):
+    path = str(tmp_path / "pool.journal")
+    ix, tenants, t, p = setup(path)
+    for i in range(15):  # churn: commits and drops, many more records than blocks
+        store(ix, t, p, [bytes([i, j]) * 4 for j in range(4)])
+    store(ix, t, p, [b"a" * 8, b"b" * 8])
+    before = open(path, "rb").read()
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, buf: real(fd, bytes(buf)[:len(buf) // 2]))
+    with pytest.raises(OSError, match="short write"):
+        p.journal.write_snapshot(p.snapshot(ix, tenants))  # a cut snapshot is no journal
+    assert not os.path.exists(path + ".tmp")
+    monkeypatch.setattr(persist, "COMPACT_MIN_RECORDS", 0)
+    p.maybe_compact(ix, tenants)
+    assert p._compacting is not None
+    p._compacting.join()
+    p.finish_compaction()  # the thread's snapshot failed the same way: logged, kept
+    assert p.recovery.errors == 1 and open(path, "rb").read() == before
+    assert not os.path.exists(path + ".tmp")
+    monkeypatch.setattr(os, "write", real)
+    p.maybe_compact(ix, tenants)
+    assert p._compacting is None  # backed off: not a snapshot every tick on a full disk
+    p.close()
+    assert [r for r in read_records(path) if isinstance(r, Commit)][-1].key == b"b" * 8
+
+
+def test_a_journal_that_cannot_be_written_at_start_leaves_persistence_off(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    ix, tenants, t, p = setup(str(blocker / "pool.journal"))  # ENOTDIR, even for root
+    assert p.journal is None and p.recovery.errors == 1
+    store(ix, t, p, [b"x" * 8])  # serving goes on, unjournaled
+    assert ix.ready_blocks == 1 and ix.events == []
+    p.close()
+
+
+def test_an_unreadable_journal_starts_an_empty_pool(tmp_path):
+    path = tmp_path / "pool.journal"
+    path.mkdir()  # EISDIR on read and on the rewrite
+    ix, tenants, t, p = setup(str(path))
+    assert p.recovery.discarded.startswith("journal unreadable")
+    assert p.journal is None and ix.ready_blocks == 0
+    p.close()
