@@ -9,10 +9,14 @@ optimum for reference: it evicts the block whose next reference is farthest away
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import IO
 
 import numpy as np
 
@@ -80,36 +84,60 @@ def make_trace(hash_ids: Sequence[Sequence[int]],
                  list(timestamps) if timestamps is not None else [])
 
 
+def _open(path: str) -> IO[str]:
+    """The trace as text: a file (gzip-compressed or not, a UTF-8 BOM allowed) or, for
+    ``-``, standard input."""
+    if path == "-":
+        raw: IO[bytes] = sys.stdin.buffer
+    else:
+        raw = open(path, "rb")  # noqa: SIM115 - closed by the caller's ``with``
+    head = raw.peek(2)[:2] if isinstance(raw, io.BufferedReader) else b""
+    if head == b"\x1f\x8b":
+        raw = gzip.GzipFile(fileobj=raw)  # type: ignore[assignment]
+    return io.TextIOWrapper(raw, encoding="utf-8-sig")
+
+
 def load_trace(path: str) -> Trace:
     """Read one JSON object per line, keeping each request's ``hash_ids`` (and its
-    ``timestamp`` when every line has one). TraceError names the first bad line."""
+    ``timestamp`` when every line has one; requests are then replayed in time order).
+    TraceError names the first bad line."""
     ids: list[list[int]] = []
     stamps: list[float] = []
+    n = 0
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise TraceError(f"{path}: cannot read the trace: {e.strerror or e}") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                hashes = row["hash_ids"]
-                if not isinstance(hashes, list) or not all(
-                        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64
-                        for h in hashes):
-                    raise TypeError("hash_ids must be a list of non-negative integers")
-            except (ValueError, KeyError, TypeError) as e:
-                what = "no hash_ids" if isinstance(e, KeyError) else str(e).splitlines()[0]
-                raise TraceError(f"{path}:{n}: not a Mooncake trace line ({what})") from None
-            ids.append(hashes)
-            t = row.get("timestamp")
-            stamps.append(float(t) if isinstance(t, (int, float)) else float("nan"))
+        with _open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    hashes = row["hash_ids"]
+                    if not isinstance(hashes, list) or not all(
+                            isinstance(h, int) and not isinstance(h, bool)
+                            and 0 <= h < 1 << 64 for h in hashes):
+                        raise TypeError("hash_ids must be a list of non-negative integers")
+                except (ValueError, KeyError, TypeError, RecursionError) as e:
+                    what = ("no hash_ids" if isinstance(e, KeyError) else
+                            "nested too deeply" if isinstance(e, RecursionError) else
+                            str(e).splitlines()[0])
+                    raise TraceError(f"{path}:{n}: not a Mooncake trace line ({what})") \
+                        from None
+                ids.append(hashes)
+                t = row.get("timestamp")
+                stamps.append(float(t) if isinstance(t, (int, float)) and not
+                              isinstance(t, bool) else float("nan"))
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        why = f"not UTF-8 text (near line {n + 1})" if isinstance(e, UnicodeDecodeError) \
+            else getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise TraceError(f"{path}: cannot read the trace: {why}") from None
     if not ids:
         raise TraceError(f"{path}: the trace is empty (no request lines)")
-    ordered = all(a <= b for a, b in zip(stamps, stamps[1:]))  # False with any NaN
-    return make_trace(ids, stamps if ordered else None)
+    if not all(t == t for t in stamps):  # some line has no numeric timestamp: file order
+        return make_trace(ids)
+    if any(a > b for a, b in zip(stamps, stamps[1:])):  # arrival order (a stable sort)
+        order = sorted(range(len(ids)), key=stamps.__getitem__)
+        ids, stamps = [ids[i] for i in order], [stamps[i] for i in order]
+    return make_trace(ids, stamps)
 
 
 class BeladyPolicy(EvictionPolicy):
@@ -177,10 +205,7 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False,
     else:
         pol = make_policy(policy, capacity)
         begin = None
-    # Extents of a divisor of ``capacity`` slots, so the pool holds exactly ``capacity``
-    # blocks. With one size class the geometry changes no decision, only the speed.
-    per = max(d for d in range(1, min(EXTENT_SLOTS, capacity) + 1) if capacity % d == 0)
-    index = Index(Allocator(capacity * SLOT_BYTES, per * SLOT_BYTES, SLOT_BYTES), pol)
+    index = Index(_allocator(min(capacity, distinct_blocks(trace))), pol)
     lookup, allocate, store_done = index.lookup, index.allocate, index.store_done
     # The index defers telling the policy about hits to its next mutating call, which
     # changes no decision (the calls reach the policy in the same order), but Belady
@@ -230,6 +255,24 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False,
         stored_blocks=c.stored_blocks - base[2],
         counted_from=min(count_from, total),
     )
+
+
+def distinct_blocks(trace: Trace) -> int:
+    """A pool this large never evicts: a larger one gives the same replay."""
+    return max(1, len({h for r in trace.hash_ids for h in r}))
+
+
+def _allocator(slots: int) -> Allocator:
+    """A pool of exactly ``slots`` free slots: whole extents, and the extra slots of
+    the last one taken for good. With one size class the geometry changes no
+    decision, only the speed."""
+    per = min(EXTENT_SLOTS, slots)
+    extents = -(-slots // per)
+    alloc = Allocator(extents * per * SLOT_BYTES, per * SLOT_BYTES, SLOT_BYTES)
+    surplus = extents * per - slots
+    if surplus:
+        assert len(alloc.alloc_many(SLOT_BYTES, surplus)) == surplus
+    return alloc
 
 
 def sweep(trace: Trace, capacities: Sequence[int], policies: Sequence[str]) -> list[SimResult]:

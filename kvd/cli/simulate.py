@@ -34,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "daemon's own index and policy code and report the prefix-hit fraction. "
         "Several capacities or policies give a sweep table.",
     )
-    p.add_argument("trace", metavar="TRACE")
+    p.add_argument("trace", metavar="TRACE",
+                   help="JSON lines, plain or gzip-compressed; - reads standard input")
     p.add_argument(
         "--capacity", action="append", required=True, metavar="BLOCKS",
         help="cache size in blocks; comma-separated or repeated for a sweep",
@@ -131,9 +132,11 @@ def run(args: argparse.Namespace) -> int:
     pols = parse_policies(args.policy, sweep=len(caps) > 1)
     known = {*policy_names(), BELADY}
     unknown = [p for p in pols if p not in known]
-    if unknown or not caps or min(caps) < 1:
-        what = f"unknown policy {unknown[0]!r}" if unknown else "capacities must be >= 1"
-        print(f"kvdctl simulate: {what}; policies: {', '.join(sorted(known))}")
+    if unknown or not pols or not caps or min(caps) < 1:
+        what = (f"unknown policy {unknown[0]!r}" if unknown else "no policy given"
+                if not pols else "capacities must be >= 1")
+        print(f"kvdctl simulate: {what}; policies: {', '.join(sorted(known))}",
+              file=sys.stderr)
         return 2
     try:
         trace = load_trace(args.trace)
@@ -158,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(results, stored=True))
     if args.plot:
-        plot(results, args.plot, title=args.trace.rsplit("/", 1)[-1])
+        try:
+            plot(results, args.plot, title=args.trace.rsplit("/", 1)[-1])
+        except (OSError, ImportError) as e:
+            print(f"kvdctl simulate: cannot write the plot {args.plot}: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

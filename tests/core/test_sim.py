@@ -102,7 +102,10 @@ def test_cli_one_capacity_runs_the_default(tmp_path: Path, capsys: pytest.Captur
 def test_cli_rejects_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, TINY)
     assert _run(["simulate", path, "--capacity", "4", "--policy", "nope"]) == 2
-    assert "unknown policy 'nope'" in capsys.readouterr().out
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+    assert _run(["simulate", path, "--capacity", "4", "--policy", " , ", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "no policy given" in out.err
 
 
 @pytest.mark.parametrize("text, why", [
@@ -173,3 +176,67 @@ def test_deferred_touches_change_no_decision(trace: list[list[int]], capacity: i
     for name in policy_names():
         assert replay(t, capacity, name).hit_blocks == replay(t, capacity, name,
                                                               eager=True).hit_blocks
+
+
+def test_compressed_bom_crlf_and_stdin_traces_read_like_plain_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gzip
+    import io
+    import sys
+
+    plain = "".join(json.dumps({"timestamp": i, "hash_ids": r}) + "\n"
+                    for i, r in enumerate(TINY))
+    want = load_trace(_write(tmp_path, TINY))
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(plain.encode()))
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + plain.replace("\n", "\r\n").encode())
+    for name in ("t.jsonl.gz", "bom.jsonl"):
+        assert load_trace(str(tmp_path / name)) == want
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(
+        io.BytesIO(gzip.compress(plain.encode())))))
+    assert load_trace("-") == want
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda p: p.write_bytes(b'{"hash_ids": [1]}\n\xff\xfe\n'), "not UTF-8 text"),
+    (lambda p: p.write_bytes(__import__("gzip").compress(b'{"hash_ids": [1]}\n' * 99)[:30]),
+     "cannot read the trace"),
+    (lambda p: p.mkdir(), "cannot read the trace"),
+    (lambda p: p.write_text("[" * 100_000 + "\n"), ":1: not a Mooncake trace line"),
+])
+def test_unreadable_traces_are_refused_without_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], make, why: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    make(path)
+    assert _run(["simulate", str(path), "--capacity", "4", "--json"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and why in out.err
+
+
+def test_requests_replay_in_time_order() -> None:
+    import tempfile
+
+    rows = [(5, [3, 4]), (1, [1, 2]), (9, [1, 2]), (2, [1, 2])]
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("".join(json.dumps({"timestamp": t, "hash_ids": h}) + "\n" for t, h in rows))
+    t = load_trace(f.name)
+    Path(f.name).unlink()
+    assert t.hash_ids == [[1, 2], [1, 2], [3, 4], [1, 2]] and t.timestamps == [1, 2, 5, 9]
+    # Capacity 2 in time order: the second [1, 2] hits; [3, 4] pushes it out.
+    assert replay(t, 2, "lru").hit_blocks == 2
+
+
+@pytest.mark.parametrize("capacity", [7, 257, 10**9])
+def test_the_pool_holds_exactly_capacity_blocks(capacity: int) -> None:
+    """Prime capacities and capacities past the trace's size: the cache fills to exactly
+    ``capacity`` blocks (or to every block), and a huge one costs no memory."""
+    trace = make_trace([[i, i + 1, i + 2] for i in range(0, 3000, 3)])  # 3,000 blocks
+    r = replay(trace, capacity, "lru")
+    assert r.stored_blocks - r.evicted_blocks == min(capacity, 3000)
+    assert r.hit_blocks == 0 and r.stored_blocks == 3000
+
+
+def test_an_unwritable_plot_is_an_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, TINY)
+    code = _run(["simulate", path, "--capacity", "4,5", "--plot", str(tmp_path / "no" / "x.png")])
+    assert code == 2 and "cannot write the plot" in capsys.readouterr().err
