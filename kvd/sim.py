@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -132,9 +134,9 @@ def load_trace(path: str) -> Trace:
         raise TraceError(f"{path}: cannot read the trace: {why}") from None
     if not ids:
         raise TraceError(f"{path}: the trace is empty (no request lines)")
-    if not all(t == t for t in stamps):  # some line has no numeric timestamp: file order
+    if any(math.isnan(t) for t in stamps):  # a line without a numeric timestamp: file order
         return make_trace(ids)
-    if any(a > b for a, b in zip(stamps, stamps[1:])):  # arrival order (a stable sort)
+    if any(a > b for a, b in itertools.pairwise(stamps)):  # arrival order (a stable sort)
         order = sorted(range(len(ids)), key=stamps.__getitem__)
         ids, stamps = [ids[i] for i in order], [stamps[i] for i in order]
     return make_trace(ids, stamps)
