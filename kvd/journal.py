@@ -74,11 +74,14 @@ def frame(rec: msgspec.Struct) -> bytes:
 
 
 @overload
-def read_records(path: str) -> Iterator[Record]: ...
+def read_records(path: str, *, skipped: list[int] | None = None) -> Iterator[Record]: ...
 @overload
-def read_records(path: str, decoder: msgspec.msgpack.Decoder[T]) -> Iterator[T]: ...
-def read_records(path: str, decoder: msgspec.msgpack.Decoder | None = None) -> Iterator:
-    """Every intact record, in order; stops quietly at a torn or corrupt tail.
+def read_records(path: str, decoder: msgspec.msgpack.Decoder[T], *,
+                 skipped: list[int] | None = None) -> Iterator[T]: ...
+def read_records(path: str, decoder: msgspec.msgpack.Decoder | None = None, *,
+                 skipped: list[int] | None = None) -> Iterator:
+    """Every intact record, in order; stops at a torn or corrupt frame (and appends
+    the bytes left unread from there to ``skipped``, when given).
     ``decoder`` reads another journal's record types (default: this module's)."""
     dec = _dec if decoder is None else decoder
     try:
@@ -87,19 +90,24 @@ def read_records(path: str, decoder: msgspec.msgpack.Decoder | None = None) -> I
     except FileNotFoundError:
         return
     pos = 0
-    while pos + _FRAME.size <= len(data):
+    while pos < len(data):
+        if pos + _FRAME.size > len(data):
+            break
         length, check = _FRAME.unpack_from(data, pos)
         start = pos + _FRAME.size
         payload = data[start:start + length]
         if length > MAX_RECORD or len(payload) < length:
-            return
+            break
         if xxhash.xxh3_64_intdigest(payload) != check:
-            return
+            break
         try:
-            yield dec.decode(payload)
+            rec = dec.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return
+            break
+        yield rec
         pos = start + length
+    if skipped is not None and pos < len(data):
+        skipped.append(len(data) - pos)
 
 
 @dataclass
@@ -117,6 +125,7 @@ class Replay:
     tenants: dict[int, TenantRec]
     blocks: dict[int, LiveBlock]  # slot -> block, in commit order
     records: int
+    skipped_bytes: int = 0  # after the last intact record (a torn tail, or corruption)
 
 
 def replay(path: str) -> Replay:
@@ -125,7 +134,8 @@ def replay(path: str) -> Replay:
     tenants: dict[int, TenantRec] = {}
     blocks: dict[int, LiveBlock] = {}
     n = 0
-    for rec in read_records(path):
+    skipped: list[int] = []
+    for rec in read_records(path, skipped=skipped):
         n += 1
         if isinstance(rec, Commit):
             blocks.pop(rec.slot, None)  # re-insert: keeps commit order
@@ -139,7 +149,7 @@ def replay(path: str) -> Replay:
             if header is not None and rec != header:
                 break  # a second geometry: nothing after it can be trusted
             header = rec
-    return Replay(header, tenants, blocks, n)
+    return Replay(header, tenants, blocks, n, sum(skipped))
 
 
 class Journal:

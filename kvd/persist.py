@@ -60,6 +60,9 @@ class Persistence:
             rp = Replay(None, {}, {}, 0)
             rec.discarded = f"journal unreadable: {e.strerror or e}"
         rec.records = rp.records
+        if rp.skipped_bytes:  # a kill's torn tail, or damage: what follows is not used
+            log.warning("journal %s: the last %d bytes are not intact records and are "
+                        "ignored", self.path, rp.skipped_bytes)
         if rp.header is None and rp.records:
             rec.discarded = "journal has no header"
         elif rp.header is not None and rp.header != self.header:

@@ -31,6 +31,8 @@ def test_a_torn_tail_keeps_everything_before_it(tmp_path):
         f.write(b"\x10\x00\x00\x00" + b"\x00" * 8 + b"torn")
     recs = list(read_records(path))
     assert recs == [H, Commit(1, b"a", 0, 0, [2**63 + 5])]  # 64-bit sums stay exact
+    assert replay(path).skipped_bytes == 16  # said, so the start-up can log it
+    assert replay(path + "-none").skipped_bytes == 0
 
 
 def test_rewrite_is_a_compact_snapshot_plus_backlog(tmp_path):

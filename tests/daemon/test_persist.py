@@ -105,6 +105,7 @@ def test_torn_journal_tail_is_ignored(daemon_factory):
     d.start()
     hits, got, _ = load_digest(d, ks)
     assert hits == 4 and got == digest
+    assert "the last 32 bytes are not intact records" in d.logs()
 
 
 def test_verify_on_load_refuses_a_corrupt_block(daemon_factory):
