@@ -84,7 +84,9 @@ class Connection:
         self.registered: m.Registered | None = None
         self._register: m.Register | None = register
         self._req = itertools.count(1)
-        self._outbox: queue.SimpleQueue[tuple[m.Request, Future | None]] = queue.SimpleQueue()
+        # (message, its future for a call, the daemon run a Transfer's slots belong to)
+        self._outbox: queue.SimpleQueue[tuple[m.Request, Future | None, str]] = \
+            queue.SimpleQueue()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._up = threading.Event()
         self._closed = False
@@ -124,7 +126,7 @@ class Connection:
             self.stats.unavailable += 1
             fut.set_exception(Unavailable(f"kvd at {self.endpoint} is not connected"))
             return fut
-        self._outbox.put((msg, fut))
+        self._outbox.put((msg, fut, ""))
         self._wakeup()
         return fut
 
@@ -137,17 +139,19 @@ class Connection:
             fut.cancel()
             raise Timeout(f"kvd did not answer {type(msg).__name__} in time") from None
 
-    def send(self, msg: m.Transfer) -> bool:
+    def send(self, msg: m.Transfer, instance: str = "") -> bool:
         """Queue a Transfer; its one Done reaches ``on_done`` (see the module docstring
         for when the connection itself ends it). Stamps the deadline unless the caller
-        set one. False when the connection is down: nothing was sent."""
+        set one. False when the connection is down: nothing was sent. With
+        ``instance``, the daemon run its slots belong to: connected to another run by
+        the time it goes out, it ends unsent (CLIENT_GONE)."""
         if self._closed or not self._up.is_set():
             self.stats.unavailable += 1
             return False
         if not msg.deadline_ns:
             deadline = time.monotonic_ns() + int(self.transfer_timeout * 1e9)
             msg = msgspec.structs.replace(msg, deadline_ns=deadline)
-        self._outbox.put((msg, None))
+        self._outbox.put((msg, None, instance))
         self._wakeup()
         return True
 
@@ -161,7 +165,7 @@ class Connection:
         # look: its Transfer (or call) still ends exactly once, here.
         while True:
             try:
-                msg, fut = self._outbox.get_nowait()
+                msg, fut, _ = self._outbox.get_nowait()
             except queue.Empty:
                 break
             if fut is not None:
@@ -299,10 +303,13 @@ class _IO:
         c = self.c
         while True:
             try:
-                msg, fut = c._outbox.get_nowait()
+                msg, fut, instance = c._outbox.get_nowait()
             except queue.Empty:
                 return
             if fut is not None and not fut.set_running_or_notify_cancel():
+                continue
+            if instance and instance != c.instance:  # slots of an earlier daemon run
+                self.fail_one(msg, fut, Unavailable("kvd restarted: the slots are gone"))
                 continue
             if (self.phase != "up" or (not transfers and isinstance(msg, m.Transfer))
                     or not self.raw_send(msg)):
@@ -336,11 +343,22 @@ class _IO:
         try:
             reply = m.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("undecodable reply from kvd dropped: %s", e)
+            # (A newer daemon's reply, say.) A call it answered fails now rather than at
+            # its timeout; a Transfer is left to its Done or deadline (the daemon may
+            # still be copying it).
+            log.warning("undecodable reply from kvd: %s", e)
+            req = m.peek_req(data)
+            entry = self.pending.pop(req, None)
+            if entry is not None and entry[0] is not None:
+                entry[0].set_exception(RemoteError(m.Code.INTERNAL, f"undecodable reply: {e}"))
+            elif req in self.transfers and m.peek_tag(data) == "done":  # copying is over
+                msg, _ = self.transfers.pop(req)
+                self.deliver(m.Done(req, msg.event, m.Code.INTERNAL, f"undecodable Done: {e}"))
             return
         if isinstance(reply, m.Done):
-            if self.transfers.pop(reply.req, None) is not None:
-                self.deliver(reply)
+            entry = self.transfers.pop(reply.req, None)
+            if entry is not None:  # its event is ours, whatever the reply says
+                self.deliver(msgspec.structs.replace(reply, event=entry[0].event))
             return
         if isinstance(reply, m.EventWaited):  # the store may now reuse its CUDA event
             if c.on_event_waited is not None:

@@ -53,7 +53,8 @@ class Service:
         alloc = Allocator(config.pool_size, config.extent_size, config.min_slot_bytes)
         policy = make_policy(config.policy or DEFAULT_POLICY, alloc.max_slots)
         self.policy_name = policy.name
-        self.index = Index(alloc, policy, record=config.persist or bool(config.events_endpoint))
+        self.index = Index(alloc, policy, record=config.persist or bool(config.events_endpoint),
+                           first_lease=1 + (int.from_bytes(os.urandom(6), "little") << 7))
         self.tenants = Tenants()
         self.persist: Persistence | None = None
         if config.persist:

@@ -229,6 +229,10 @@ class Transfers:
             slots = own_slots(self.index, tenant, ticketed, PENDING)
         else:
             slots = own_slots(self.index, tenant, msg.slots, PENDING if store else READY)
+            if msg.lease and not store and not self.index.leased(msg.lease, slots):
+                raise KvdError(f"lease {msg.lease} of this load is gone (lapsed, released, "
+                               "or of another kvd run): its slots may hold other blocks",
+                               m.Code.EXPIRED)
         if len(blocks) != len(slots):
             raise BadIds(f"{len(blocks)} block ids for {len(slots)} slots")
         if blocks.size and int(blocks.max()) >= client.num_blocks:

@@ -211,6 +211,10 @@ class Transfer(_Msg, tag="transfer"):
     cuda_event: int = -1  # index in the registered event ring (stores on GPU)
     ticket: int = 0
     deadline_ns: int = 0  # CLOCK_MONOTONIC ns; no copy starts after it (0: none)
+    # A load may name the Lookup lease its slots came from: refused once the lease is
+    # gone (lapsed, released, dropped with its connection, or of another daemon run),
+    # when the slots may hold other blocks.
+    lease: int = 0
 
 
 class Done(_Msg, tag="done"):
@@ -322,6 +326,15 @@ def decode_reply(data: bytes | memoryview) -> Reply:
         return _reply_decoder.decode(data)
     except UnicodeDecodeError as e:
         raise msgspec.DecodeError(f"invalid UTF-8: {e}") from None
+
+
+def peek_tag(data: bytes | memoryview) -> str:
+    """Best-effort message type of an undecodable message ("" when not even that)."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except Exception:  # noqa: BLE001 - garbage has no type
+        return ""
+    return raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else ""
 
 
 def peek_req(data: bytes | memoryview) -> int:

@@ -252,7 +252,9 @@ class KvdManager(OffloadingManager):
         self.boundary.count("load.blocks", len(keys))
         # A NO_SLOT (cannot happen unless vLLM asks for keys it was not told about) makes
         # the worker fail the job, and vLLM recomputes: prepare_load itself cannot fail.
-        return KvdSlots(slots, st.instance if st is not None else "")
+        if st is None:
+            return KvdSlots(slots, "")
+        return KvdSlots(slots, st.instance, lease=st.lease if hits else 0)
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         st = self._reqs.get(req_context.req_id)

@@ -55,22 +55,26 @@ class KvdSlots(LoadStoreSpec):
 
     ``instance`` is the daemon run the slots belong to: a worker connected to another
     run (the daemon restarted in between) must not use them. A store carries the
-    ``ticket`` of its Allocate instead of slots: the daemon knows them.
+    ``ticket`` of its Allocate instead of slots: the daemon knows them. A load carries
+    the ``lease`` that pins its slots: the daemon refuses the load once it is gone.
     """
 
-    __slots__ = ("slots", "instance", "ticket")
+    __slots__ = ("slots", "instance", "ticket", "lease")
 
-    def __init__(self, slots: np.ndarray, instance: str, ticket: int = 0) -> None:
+    def __init__(self, slots: np.ndarray, instance: str, ticket: int = 0,
+                 lease: int = 0) -> None:
         self.slots = np.ascontiguousarray(slots, dtype=np.uint32)
         self.instance = instance
         self.ticket = ticket
+        self.lease = lease
 
-    def __getstate__(self) -> tuple[bytes, str, int]:
-        return self.slots.tobytes(), self.instance, self.ticket
+    def __getstate__(self) -> tuple[bytes, str, int, int]:
+        return self.slots.tobytes(), self.instance, self.ticket, self.lease
 
-    def __setstate__(self, state: tuple[bytes, str, int]) -> None:
+    def __setstate__(self, state: tuple) -> None:
         self.slots = np.frombuffer(state[0], dtype=np.uint32)
         self.instance, self.ticket = state[1], state[2]
+        self.lease = state[3] if len(state) > 3 else 0
 
     def __repr__(self) -> str:
         return f"KvdSlots({self.slots.tolist()}, {self.instance[:8]}, ticket={self.ticket})"

@@ -63,7 +63,7 @@ class _HostPath:
         return m.Register(0, fp, rank=rank,
                           host_regions=split_pages(self.regions, fp.rank_page_bytes))
 
-    def store_event(self) -> int:
+    def order_event(self) -> int:
         return -1
 
     def before_send(self, load: bool, blocks: np.ndarray, slots: np.ndarray,
@@ -123,7 +123,6 @@ class KvdWorker(OffloadingWorker):
             on_event_waited=lambda ev: self.path.event_done(ev.cuda_event))
         log.info("kvd worker rank %d: %s data path, %d KV tensors, socket %s", rank,
                  self.path.kind, len(self.tensors), options.socket)
-        _report_load_errors_through(self)
 
     # ------------------------------------------------------------ submit
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
@@ -148,13 +147,19 @@ class KvdWorker(OffloadingWorker):
             self.boundary.count(f"{'load' if load else 'store'}.skipped.{why}")
             return self._fail_load(job_id, blocks) if load else self._complete(job_id)
         assert isinstance(slots_spec, KvdSlots)
-        cuda_event = -1 if load else self.path.store_event()
+        # Stores copy after the forward pass that computed the blocks; loads write after
+        # what vLLM queued on its stream before (it may zero the blocks there).
+        cuda_event = self.path.order_event()
         with self._cond:
             self._jobs[job_id] = _Job(load, blocks, cuda_event)
+        # The instance is checked again as it goes out (on the connection's thread): a
+        # daemon restarted since the check above must not get these slots.
         sent = self.conn.send(m.Transfer(self.conn.next_req(), job_id,
                                          m.Direction.LOAD if load else m.Direction.STORE,
                                          pack_u32(blocks), pack_u32(slots_spec.slots),
-                                         cuda_event, slots_spec.ticket))
+                                         cuda_event, slots_spec.ticket,
+                                         lease=slots_spec.lease if load else 0),
+                              instance=slots_spec.instance)
         if not sent:  # went down in between: nothing will answer
             self._on_done(m.Done(0, job_id, m.Code.CLIENT_GONE, "kvd not connected"))
 
@@ -221,20 +226,29 @@ class KvdWorker(OffloadingWorker):
     def shutdown(self) -> None:
         log.info("kvd worker rank %d: %s; connection: %s", self.rank,
                  dict(sorted(self.boundary.counts.items())), self.conn.stats)
-        # The path first, while the connection still delivers the daemon's EventWaited
+        # First the jobs in flight (bounded by their deadlines): until their Done the
+        # daemon may still write into this memory, which may be reused after we return.
+        # Then the path, while the connection still delivers the daemon's EventWaited
         # and Done: a CUDA path keeps its events until the daemon passed every wait on
         # them (bounded). Dones made up here below confirm nothing to the daemon's GPU.
-        self.path.close()
-        self.conn.close()
         with self._cond:
-            jobs = list(self._jobs)
-        for j in jobs:
-            self._on_done(m.Done(0, j, m.Code.CLIENT_GONE, "worker shut down"))
+            inflight = set(self._jobs)
+        try:
+            self.boundary.guard("shutdown", lambda: None, lambda: self.wait(inflight))
+            self.boundary.guard("shutdown", lambda: None, self.path.close)
+        finally:
+            self.conn.close()
+            with self._cond:
+                jobs = list(self._jobs)
+            for j in jobs:
+                self._on_done(m.Done(0, j, m.Code.CLIENT_GONE, "worker shut down"))
 
 
-def _report_load_errors_through(worker: KvdWorker) -> None:
+def _report_load_errors_through(worker: KvdWorker, spec: object = None) -> None:
     """Loaded as a plain OffloadingConnector spec, nobody would tell vLLM which loads
-    failed (it would compute on garbage): lend that connector our load-error report."""
+    failed (it would compute on garbage): lend that connector our load-error report.
+    Inside a MultiConnector only the sub-connector running ``spec`` gets it (the
+    others report their own failed loads)."""
     try:
         from vllm.distributed.kv_transfer import (  # noqa: PLC0415
             get_kv_transfer_group,
@@ -245,6 +259,17 @@ def _report_load_errors_through(worker: KvdWorker) -> None:
     if not has_kv_transfer_group():
         return  # not inside an engine (tests)
     connector = get_kv_transfer_group()
+    subs = getattr(connector, "sub_connectors", None)
+    if subs is not None or spec is not None:
+        runs_spec = [c for c in (subs if subs is not None else [connector])
+                     if getattr(getattr(c, "connector_worker", None), "spec", None) is spec]
+        if len(runs_spec) != 1:
+            if subs is not None:  # never take another connector's report over
+                log.warning("kvd: no sub-connector of %s runs kvd; failed loads are not "
+                            "reported to vLLM (use KvdConnector)", type(connector).__name__)
+                return
+        else:
+            connector = runs_spec[0]
     if getattr(type(connector), "reports_kvd_load_errors", False):
         return  # KvdConnector does it itself
     connector.get_block_ids_with_load_errors = worker.take_load_errors  # type: ignore[method-assign]

@@ -80,6 +80,9 @@ class Index:
     # When on, commits and drops of READY blocks are queued in ``events`` (plain
     # tuples; the shell writes them to the journal and publishes them as KV events).
     record: bool = False
+    # Lease ids count from here: the shell starts each daemon run somewhere else, so a
+    # lease id of an earlier run names nothing in this one.
+    first_lease: int = 1
 
     def __post_init__(self) -> None:
         n = self.allocator.max_slots
@@ -96,7 +99,7 @@ class Index:
         self._doomed: set[int] = set()  # PENDING slots to free once unpinned
         self._pin_calls = 0  # pin calls not yet unpinned: at zero no slot is pinned
         self._leases: dict[int, Lease] = {}
-        self._next_lease = 1
+        self._next_lease = self.first_lease
         self._spaces: dict[int, dict[bytes, int]] = {}  # tenant id -> key -> slot
         # READY blocks only: a lookup's leading run is then just "found in this map",
         # with no per-key state check (the 1,000-key lookup is the hot path).
@@ -207,6 +210,11 @@ class Index:
     def lease_owner(self, lease_id: int) -> int | None:
         lease = self._leases.get(lease_id)
         return None if lease is None else lease.owner
+
+    def leased(self, lease_id: int, slots: np.ndarray) -> bool:
+        """Whether the lease is live and holds every one of ``slots``."""
+        lease = self._leases.get(lease_id)
+        return lease is not None and bool(np.isin(slots, lease.slots).all())
 
     # pin/unpin count a slot once per call even if it repeats (fancy indexing, ~15x
     # faster than np.add.at); both sides do the same, so counts stay balanced.

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from kvd_client import Connection, Timeout, Unavailable, host_regions
+from kvd_client import Connection, RemoteError, Timeout, Unavailable, host_regions
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32, unpack_u32
 from tests.daemon.workers import Spec, fingerprint
@@ -150,3 +150,94 @@ def test_lost_transfers_complete_with_an_error(daemon):
         assert c.stats.lost_transfers == 1
     finally:
         c.close()
+
+
+def test_a_transfer_for_slots_of_another_daemon_run_is_never_sent(daemon):
+    """The worker checks the slots' daemon run, then sends: a restart in between must
+    not hand them to the new daemon. The connection checks again as it sends."""
+    spec = Spec(daemon.socket, pages=(4096,))
+    mem = [np.zeros((8, 4096), dtype=np.uint8)]
+    dones: list[m.Done] = []
+    c = Connection(daemon.socket, on_done=dones.append,
+                   register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
+    try:
+        assert c.wait_up(5)
+        sent = c.stats.sent
+        assert c.send(m.Transfer(c.next_req(), 5, m.Direction.LOAD, pack_u32([0]),
+                                 pack_u32([0])), instance="an-earlier-run")
+        assert wait_for(lambda: dones, 5)
+        assert dones[0].event == 5 and dones[0].code == m.Code.CLIENT_GONE
+        assert c.stats.sent == sent  # it never left
+    finally:
+        c.close()
+
+
+def misbehaving_daemon(path: str, answer) -> tuple:
+    """A ROUTER that completes the handshake and answers everything else with
+    ``answer(request)`` (raw bytes): a daemon with a bug, or of a newer version."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"ipc://{path}")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            ident, data = sock.recv_multipart()
+            msg = m.decode_request(data)
+            if isinstance(msg, m.Hello):
+                out = m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, 1, "fake", 1, 0))
+            elif isinstance(msg, m.Register):
+                out = m.encode(m.Registered(msg.req, 1, 4096, 4096))
+            elif isinstance(msg, m.Ping):
+                out = m.encode(m.Ok(msg.req))
+            else:
+                out = answer(msg)
+            sock.send_multipart([ident, out])
+        sock.close(linger=0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t, stop
+
+
+def test_replies_a_daemon_should_not_send_end_calls_and_transfers_once(tmp_path):
+    """A Done naming another event still ends its own Transfer (by request id), once;
+    an undecodable reply fails its call at once, and an undecodable Done (a newer
+    daemon's code) ends its Transfer at once, failed, instead of at the deadline."""
+    import msgspec
+
+    def answer(msg):
+        if isinstance(msg, m.Transfer) and msg.event == 1:
+            return m.encode(m.Done(msg.req, 999))  # the wrong event
+        if isinstance(msg, m.Transfer):  # a code this client does not know
+            return msgspec.msgpack.encode(["done", msg.req, msg.event, 77, "", 0, 0.0])
+        return msgspec.msgpack.encode(["lookup_ok_v9", msg.req, "???"])
+
+    path = str(tmp_path / "fake.sock")
+    t, stop = misbehaving_daemon(path, answer)
+    dones: list[m.Done] = []
+    c = Connection(path, on_done=dones.append, transfer_timeout=30,
+                   register=m.Register(0, fingerprint(Spec(path, pages=(4096,))), -1))
+    try:
+        assert c.wait_up(5)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as e:
+            c.request(m.Lookup(c.next_req(), [b"k"]), timeout=10)
+        assert e.value.code == m.Code.INTERNAL and time.monotonic() - t0 < 2
+        for event in (1, 2):
+            assert c.send(m.Transfer(c.next_req(), event, m.Direction.LOAD, pack_u32([0]),
+                                     pack_u32([0])))
+        assert wait_for(lambda: len(dones) == 2, 5)
+        assert {d.event: d.code for d in dones} == {1: m.Code.OK, 2: m.Code.INTERNAL}
+        time.sleep(0.2)
+        assert len(dones) == 2
+    finally:
+        c.close()
+        stop.set()
+        t.join(5)

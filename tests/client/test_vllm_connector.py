@@ -38,6 +38,7 @@ from kvd_client.vllm.manager import KvdManager  # noqa: E402
 from kvd_client.vllm.spec import KvdOptions, KvdSlots  # noqa: E402
 from kvd_client.vllm.worker import KvdWorker, _HostPath  # noqa: E402
 from kvd_proto.ids import NO_SLOT  # noqa: E402
+from kvd_proto import messages as m  # noqa: E402
 from kvd_proto.messages import HostRegion  # noqa: E402
 
 HIT, MISS, RETRY, PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
@@ -382,9 +383,10 @@ def test_split_pages_describes_tensors_in_fingerprint_pages():
 
 
 def test_slots_spec_pickles_small():
-    spec = KvdSlots(np.arange(7), "instance")
+    spec = KvdSlots(np.arange(7), "instance", lease=1 << 50)
     back = pickle.loads(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL))
     assert back.slots.tolist() == list(range(7)) and back.instance == "instance"
+    assert back.lease == 1 << 50 and back.ticket == 0
     assert len(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL)) < 200
 
 
@@ -395,12 +397,15 @@ def test_unsupported_vllm_version_is_refused():
         check_vllm_version("0.31.2")
 
 
-def test_root_hash_is_vllms_or_engine_private():
+def test_root_hash_is_vllms_or_engine_private(monkeypatch):
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
     from kvd_client.vllm.fingerprint import compute_root_hash
 
+    # Put back afterwards: managers made by later tests check their root against it.
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", getattr(kv_cache_utils, "NONE_HASH", None),
+                        raising=False)
     kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
     assert compute_root_hash("sha256", "e1") == bytes(kv_cache_utils.NONE_HASH)
     # xxhash draws a random root per process unless PYTHONHASHSEED is set:
@@ -428,3 +433,77 @@ def test_worker_shutdown_closes_its_data_path_while_the_daemon_can_still_confirm
     assert worker.conn.wait_up(10)
     worker.shutdown()
     assert seen == {"conn_up": True, "jobs_open": []}
+
+
+def test_a_load_whose_lease_is_gone_fails_and_is_recomputed(engine_side, daemon):
+    """prepare_load hands the lease to the workers with the slots; once it is gone
+    (released, lapsed, dropped) the daemon refuses the load, which vLLM recomputes."""
+    mgr, worker, storage = engine_side
+    keys = keys_for("gone", 2)
+    store(mgr, worker, keys, [1, 2], job_id=0)
+    ctx = request("r-gone", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT, HIT]
+    spec = mgr.prepare_load(keys, ctx)
+    assert spec.lease == mgr._reqs["r-gone"].lease > 0
+    mgr.conn.request(m.Release(mgr.conn.next_req(), spec.lease))  # lapsed, say
+    storage[:, 20:22] = 0
+    assert worker.submit_load(5, spec, gpu([20, 21]))
+    worker.wait({5})
+    assert [r.job_id for r in worker.get_finished()] == [5]
+    assert worker.take_load_errors() == {20, 21}  # vLLM recomputes them
+    assert not storage[:, 20:22].any()  # nothing copied
+
+
+def test_worker_shutdown_waits_for_the_copies_into_its_memory(engine_side, daemon):
+    """Until their Done the daemon may write into the engine's memory: shutdown returns
+    only after it (bounded by the deadline), not at once with made-up failures."""
+    import threading
+
+    mgr, worker, storage = engine_side
+    keys = keys_for("sd", 2)
+    store(mgr, worker, keys, [1, 2], job_id=0)
+    ctx = request("r-sd", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT, HIT]
+    spec = mgr.prepare_load(keys, ctx)
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert worker.submit_load(6, spec, gpu([24, 25]))
+        t = threading.Thread(target=worker.shutdown)
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # waiting for the daemon's Done
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    t.join(10)
+    assert not t.is_alive()
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(6, True)]
+    assert worker.take_load_errors() == set()
+    assert torch.equal(storage[:, 24:26], storage[:, 1:3])
+
+
+def test_in_a_multiconnector_only_kvds_connector_reports_its_load_errors(monkeypatch):
+    """Another connector's failed loads stay its own: kvd lends its report only to the
+    sub-connector that runs its spec."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import kv_transfer
+
+    from kvd_client.vllm import worker as worker_mod
+
+    spec = object()
+    other_errors = {7, 8}
+    ours = SimpleNamespace(connector_worker=SimpleNamespace(spec=spec),
+                           get_block_ids_with_load_errors=lambda: set())
+    other = SimpleNamespace(connector_worker=SimpleNamespace(spec=object()),
+                            get_block_ids_with_load_errors=lambda: other_errors)
+    multi = SimpleNamespace(sub_connectors=[other, ours],
+                            get_block_ids_with_load_errors=lambda: other_errors)
+    monkeypatch.setattr(kv_transfer, "has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(kv_transfer, "get_kv_transfer_group", lambda: multi)
+    failed = SimpleNamespace(take_load_errors=lambda: {1})
+    worker_mod._report_load_errors_through(failed, spec)
+    assert ours.get_block_ids_with_load_errors() == {1}
+    assert other.get_block_ids_with_load_errors() == {7, 8}
+    assert multi.get_block_ids_with_load_errors() == {7, 8}  # aggregates its subs itself

@@ -137,3 +137,34 @@ def test_stores_by_a_refused_allocation_end_at_once_copying_nothing(daemon_facto
     finally:
         w.close()
         sched.close()
+
+
+def test_a_load_naming_a_lease_that_is_gone_is_refused(daemon_factory):
+    """A load names the Lookup lease its slots came from: once the lease is released
+    (or lapsed, or of another daemon run) the slots may hold other blocks, so the load
+    copies nothing and fails (vLLM recomputes)."""
+    daemon = daemon_factory()
+    spec = Spec(daemon.socket, seed=9)
+    sched, w = scheduler(daemon, spec), Worker(spec)
+    r = Worker(Spec(daemon.socket, seed=None))
+    try:
+        slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), keys(2, "l"))).slots)
+        assert w.store(1, [0, 1], list(slots))[1] == 0
+        hit = lookup(sched, keys(2, "l"))
+        assert hit.lease > 1  # a run's lease ids start at a random point, not at 1
+        assert r.load(2, [0, 1], unpack_u32(hit.slots), lease=hit.lease)[1] == 0
+        assert r.digest([0, 1]) == w.digest([0, 1])
+        assert sched.request(m.Release(sched.next_req(), hit.lease)).count == 1
+        r2 = Worker(Spec(daemon.socket, seed=None))
+        try:
+            code, message = r2.load(3, [0, 1], unpack_u32(hit.slots), lease=hit.lease)[1:3]
+            assert code == m.Code.EXPIRED and "lease" in message
+            assert r2.digest([0, 1]) != w.digest([0, 1])  # nothing copied
+            hit = lookup(sched, keys(2, "l"))  # leased again: loads again
+            assert r2.load(4, [0, 1], unpack_u32(hit.slots), lease=hit.lease)[1] == 0
+        finally:
+            r2.close()
+    finally:
+        for x in (w, r):
+            x.close()
+        sched.close()

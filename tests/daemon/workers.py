@@ -86,10 +86,11 @@ def _main(spec: Spec, cmds: mp.Queue, results: mp.Queue) -> None:
             except Exception as e:  # noqa: BLE001
                 results.put(("error", e))
         elif op in ("store", "load", "send"):  # send: a store, without waiting for Done
-            _, event, blocks, slots, ticket = cmd
+            _, event, blocks, slots, ticket, *lease = cmd
             direction = m.Direction.LOAD if op == "load" else m.Direction.STORE
             sent = conn.send(m.Transfer(conn.next_req(), event, direction,
-                                        pack_u32(blocks), pack_u32(slots), ticket=ticket))
+                                        pack_u32(blocks), pack_u32(slots), ticket=ticket,
+                                        lease=lease[0] if lease else 0))
             if op == "send":
                 results.put(("sent", sent))
                 continue
@@ -132,8 +133,8 @@ class Worker:
     def wait(self, event: int):
         return self.call("wait", event)
 
-    def load(self, event: int, blocks, slots):
-        return self.call("load", event, list(blocks), list(slots), 0)
+    def load(self, event: int, blocks, slots, lease: int = 0):
+        return self.call("load", event, list(blocks), list(slots), 0, lease)
 
     def digest(self, blocks) -> str:
         return self.call("digest", list(blocks))[1]
