@@ -38,12 +38,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvd_client")
 
 
+def compute_stream() -> int:
+    """The stream vLLM computes on in this thread (torch's current stream)."""
+    import torch  # noqa: PLC0415 - only the CUDA paths need it
+
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
 class CudaPath:
-    """GPU KV: IPC-exported regions plus an event ring ordering stores after compute."""
+    """GPU KV: IPC-exported regions plus an event ring ordering the daemon's copies
+    after the compute stream (stores after the forward pass, loads after what came
+    before them)."""
 
     kind = "cuda"
 
     def __init__(self, gpu: Sequence[GpuTensor], api: CudaApi) -> None:
+        self.api = api
         self.regions = export_regions(gpu, api)
         self.ring = EventRing(api=api)
 
@@ -52,13 +62,13 @@ class CudaPath:
                           cuda_regions=split_pages(self.regions, fp.rank_page_bytes),
                           cuda_event_handles=self.ring.handles)
 
-    def store_event(self) -> int:
-        import torch  # noqa: PLC0415 - only the CUDA path needs it
-
-        stream = torch.cuda.current_stream()
-        index = self.ring.record_next(stream.cuda_stream)
+    def order_event(self) -> int:
+        """An event recorded now on the compute stream: the daemon's copy of this job
+        waits for it on the GPU."""
+        stream = compute_stream()
+        index = self.ring.record_next(stream)
         if index is None:  # every event still awaited by the daemon: order by syncing
-            stream.synchronize()
+            self.api.stream_synchronize(stream)
             return -1
         return index
 
@@ -82,6 +92,7 @@ class ClientCopyPath:
     def __init__(self, gpu: Sequence[GpuTensor], why: str, api: CudaApi) -> None:
         self.gpu, self.why, self.api = list(gpu), why, api
         self.stream = api.stream_create()  # non-blocking; never the legacy default stream
+        self._order = api.event_create()  # the compute stream's point a load waits for
         self._rank = 0
         self._pieces: list[GpuTensor] = []
         self._copier: ClientCopier | None = None
@@ -95,8 +106,8 @@ class ClientCopyPath:
                         for r in split_pages(as_regions, fp.rank_page_bytes)]
         return m.Register(0, fp, rank=rank, client_copy=True, client_copy_reason=self.why)
 
-    def store_event(self) -> int:
-        return -1
+    def order_event(self) -> int:
+        return -1  # loads are ordered here (before_send), stores are skipped
 
     def before_send(self, load: bool, blocks: np.ndarray, slots: np.ndarray,
                     conn: Connection) -> str:
@@ -107,7 +118,12 @@ class ClientCopyPath:
         copier = self._copier_for(conn.registered)
         if copier is None:
             return "unavailable"
+        # After what vLLM queued on its stream before the load (it may zero the blocks).
+        self.api.event_record(self._order, compute_stream())
+        self.api.stream_wait_event(self.stream, self._order)
         copier.wait(copier.start(m.Direction.LOAD, blocks, slots))
+        if conn.registered is not self._for:  # the daemon restarted during the copy:
+            return "stale_instance"  # its slots may have held other blocks by then
         return ""
 
     def _copier_for(self, reg: m.Registered | None) -> ClientCopier | None:
@@ -128,6 +144,7 @@ class ClientCopyPath:
         if self._copier is not None:
             self._copier.close()
             self._copier = None
+        self.api.event_destroy(self._order)
         self.api.stream_destroy(self.stream)
 
 

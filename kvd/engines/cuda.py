@@ -222,7 +222,7 @@ class CudaEngine(TransferEngine):
             if self._closed or c is None:
                 err = TransferError("daemon is stopping", Code.ABORTED) if self._closed \
                     else TransferError(f"client {job.client} is not attached", Code.CLIENT_GONE)
-            elif job.direction == Direction.STORE and job.cuda_event >= len(c.events):
+            elif job.cuda_event >= len(c.events):
                 err = RequestError(f"CUDA event {job.cuda_event} is not in the client's ring "
                                    f"of {len(c.events)}", Code.BAD_REQUEST)
             else:
@@ -266,6 +266,13 @@ class CudaEngine(TransferEngine):
             if not self._claim(work):
                 return None  # failed meanwhile (deadline, detach, close)
             claimed = True
+            if not store and job.cuda_event >= 0:
+                # After the worker's stream reached the load (vLLM may still zero the
+                # blocks there): on the GPU, no thread waits.
+                assert isinstance(work.client, Client)
+                self.api.stream_wait_event(lane.stream, work.client.events[job.cuda_event])
+                if self.on_waited is not None:
+                    self.on_waited(job)
             pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
             dsts, srcs = (pool, remote) if store else (remote, pool)
             copy_runs(self.api, dsts, srcs, lengths,

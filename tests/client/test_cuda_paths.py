@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 
 from kvd_client.cuda import GpuTensor  # noqa: E402
 from kvd_client.cudart import gpu_available  # noqa: E402
+from kvd_client.vllm import cuda_paths  # noqa: E402
 from kvd_client.vllm.cuda_paths import (ClientCopyPath, CudaPath, OffloadOff,  # noqa: E402
                                         cuda_data_path)
 from kvd_proto import messages as m  # noqa: E402
@@ -34,7 +35,15 @@ def fake():
     assert f.violations == []
 
 
-def test_d2_refused_export_falls_back_to_client_copies(fake, tmp_path):
+@pytest.fixture
+def compute(fake, monkeypatch):
+    """vLLM's compute stream (torch's current stream on a GPU)."""
+    stream = fake.stream_create()
+    monkeypatch.setattr(cuda_paths, "compute_stream", lambda: stream)
+    return stream
+
+
+def test_d2_refused_export_falls_back_to_client_copies(fake, compute, tmp_path):
     t = GpuTensor(fake.alloc(PAGE * BLOCKS, ipc_capable=False), BLOCKS, PAGE, PAGE)
     path = cuda_data_path([t], fake)
     assert isinstance(path, ClientCopyPath)
@@ -56,6 +65,51 @@ def test_d2_refused_export_falls_back_to_client_copies(fake, tmp_path):
     assert fake.registered  # from a pinned mapping
     path.close()
     assert not fake.registered
+
+
+def test_a_client_copied_load_runs_after_the_compute_stream_and_checks_the_daemon_run(
+        fake, compute, tmp_path):
+    """vLLM may still be zeroing the blocks on its stream: the load's copy waits for it.
+    A daemon restarted while the copy ran makes the load fail (vLLM recomputes)."""
+    import threading
+
+    t = GpuTensor(fake.alloc(PAGE * BLOCKS, ipc_capable=False), BLOCKS, PAGE, PAGE)
+    path = cuda_data_path([t], fake)
+    assert isinstance(path, ClientCopyPath)
+    path.register(FP, rank=0)
+    pool = tmp_path / "pool"
+    data = np.zeros(1 << 16, np.uint8)
+    data[3 * PAGE:4 * PAGE] = 0x5A
+    pool.write_bytes(data.tobytes())
+    reg = m.Registered(1, 1, PAGE, PAGE, str(pool), 1 << 16, 64)
+    conn = SimpleNamespace(registered=reg)
+    zeroing = fake.launch(compute)
+    out: list[str] = []
+
+    def load() -> None:  # on vLLM's thread, where torch made the context current
+        fake.set_current_context(0xC0)
+        out.append(path.before_send(True, np.array([2]), np.array([3], np.uint32), conn))
+
+    th = threading.Thread(target=load)
+    th.start()
+    th.join(0.3)
+    assert th.is_alive() and not fake.buffer(t.ptr).any()  # behind the zeroing
+    zeroing.set()
+    th.join(5)
+    assert out == [""] and (fake.buffer(t.ptr)[2 * PAGE:3 * PAGE] == 0x5A).all()
+
+    class Restarting:  # the daemon restarts while the copy runs
+        calls = 0
+
+        @property
+        def registered(self):
+            self.calls += 1
+            return reg if self.calls == 1 else m.Registered(2, 1, PAGE, PAGE, str(pool),
+                                                             1 << 16, 64)
+
+    assert path.before_send(True, np.array([1]), np.array([3], np.uint32),
+                            Restarting()) == "stale_instance"
+    path.close()
 
 
 @pytest.mark.skipif(gpu_available(), reason="CUDA is usable here: the loader succeeds")

@@ -186,6 +186,27 @@ def test_load_needs_no_event_and_uses_its_own_lane(fake):
     rig.engine.close()
 
 
+def test_a_load_with_an_event_waits_on_the_gpu_for_the_workers_stream(fake):
+    """vLLM may still be zeroing the blocks on its compute stream when it submits the
+    load: the copy into them runs after the worker's event, and the daemon's thread
+    never blocks on it (other loads go on)."""
+    rig = Rig(fake)
+    rig.pool[:] = 0xCD
+    zeroing = fake.launch(rig.compute)  # still running when the load comes
+    ev = rig.ring.record_next(rig.compute)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [2], [1], event=4, cuda_event=ev))
+    assert fake.wait_for(lambda: fake.of("memcpy_batch"))  # enqueued behind the wait...
+    (wait,) = fake.of("stream_wait_event")
+    assert wait[3] == fake.of("ipc_open_event_handle")[ev][3]
+    assert wait[2] == fake.of("memcpy_batch")[0][2] != rig.compute
+    assert not rig.done  # ...and not run: the worker's stream has not reached the event
+    assert [j.cuda_event for j in rig.waited] == [ev]  # the ring may record it again
+    zeroing.set()
+    assert rig.wait_done()
+    assert rig.done[0][1] is None and (rig.block_bytes(2, 0) == 0xCD).all()
+    rig.engine.close()
+
+
 def test_multi_layer_tp_rank_arrays(fake):
     pages = (4096, 1024, 2048)
     rig = Rig(fake, pages=pages, rank=1, tp=2)
