@@ -33,6 +33,7 @@ from kvd.events import (AllBlocksCleared, BatchBuilder, KVEventBatch, TenantInfo
 
 log = logging.getLogger("kvd.publisher")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAYS_PER_PASS = 8  # then the loop serves other work before the next requests
 
 
 @dataclass
@@ -42,6 +43,7 @@ class PublisherCounters:
     dropped_batches: int = 0  # batches at least one subscriber missed (its HWM was full)
     replay_requests: int = 0
     replayed_batches: int = 0
+    bad_replay_requests: int = 0
 
 
 class Publisher:
@@ -61,7 +63,11 @@ class Publisher:
         if replay_endpoint:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by the buffer
+            # A requester that does not read holds at most one replay's worth: past
+            # that its replay is cut short (it asks again), never queued without end.
+            self.replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
+            self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # full: EAGAIN, not a drop
+            self.replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
             self.replay_endpoint = self._bind(self.replay, replay_endpoint)
 
     @staticmethod
@@ -115,21 +121,31 @@ class Publisher:
     def replay_fd(self) -> int | None:
         return None if self.replay is None else self.replay.getsockopt(zmq.FD)
 
-    def service_replay(self) -> None:
-        """Answer every waiting replay request (edge-triggered FD: drain until empty)."""
+    def service_replay(self) -> bool:
+        """Answer waiting replay requests, a few per call (edge-triggered FD); True when
+        more are waiting: the caller calls again soon, after other work."""
         sock = self.replay
         if sock is None:
-            return
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return False
+        for _ in range(REPLAYS_PER_PASS):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return False
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return False
             if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("invalid replay request of %d frames", len(frames))
+                self.counters.bad_replay_requests += 1
+                if self.counters.bad_replay_requests in (1, 1000):  # not one line each
+                    log.warning("invalid replay request of %d frames (more are counted, "
+                                "not logged)", len(frames))
                 continue
             client, _, start = frames
-            self._replay(client, int.from_bytes(start, "big"))
+            try:
+                self._replay(client, int.from_bytes(start, "big", signed=True))
+            except Exception:  # noqa: BLE001 - one request must not stop the others
+                log.exception("replay request failed")
+        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _replay(self, client: bytes, start: int) -> None:
         sock = self.replay
@@ -139,13 +155,14 @@ class Publisher:
         first = buf[0][0] if buf else self.seq
         n = 0
         try:
-            for seq, topic, payload in itertools.islice(buf, max(0, start - first), None):
+            skip = min(max(0, start - first), len(buf))  # past the end: just the marker
+            for seq, topic, payload in itertools.islice(buf, skip, None):
                 sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload),
                                     flags=zmq.NOBLOCK, copy=False)
                 n += 1
             sock.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # the requester went away meanwhile
-            log.debug("replay to a vanished subscriber cut short: %s", e)
+        except zmq.ZMQError as e:  # gone, or not reading (its queue is full): it asks again
+            log.debug("replay cut short: %s", e)
         self.counters.replayed_batches += n
 
     def status(self) -> dict:
@@ -156,6 +173,7 @@ class Publisher:
                 "replay_from_seq": oldest, "batches": c.batches, "events": c.events,
                 "dropped_batches": c.dropped_batches,
                 "replay_requests": c.replay_requests,
+                "bad_replay_requests": c.bad_replay_requests,
                 "replayed_batches": c.replayed_batches}
 
     def close(self) -> None:

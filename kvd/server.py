@@ -240,6 +240,11 @@ class Server:
         except Exception:  # noqa: BLE001 - events are not the data path
             log.exception("publishing KV events failed")
 
+    def _service_replay(self) -> None:
+        assert self.kv_events is not None
+        if self.kv_events.publisher.service_replay():  # more waiting: after other work
+            self.loop.call_soon(self._service_replay)
+
     def _tick(self) -> None:
         try:
             self.service.tick()
@@ -255,8 +260,8 @@ class Server:
         replay_fd = self.kv_events.publisher.replay_fd if self.kv_events else None
         if replay_fd is not None:
             assert self.kv_events is not None
-            self.loop.add_reader(replay_fd, self.kv_events.publisher.service_replay)
-            self.kv_events.publisher.service_replay()
+            self.loop.add_reader(replay_fd, self._service_replay)
+            self._service_replay()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self.lifecycle.request_stop)
         self.loop.call_later(TICK_S, self._tick)

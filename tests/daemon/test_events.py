@@ -196,6 +196,48 @@ def test_replay_returns_missed_batches(events_daemon):
         sub.close()
 
 
+def test_bad_or_greedy_replay_requests_cannot_stall_the_daemon(events_daemon):
+    """Requests from past the end or of garbage, and many from a requester that never
+    reads, are answered or dropped while the daemon goes on serving; a good request
+    queued behind them is answered."""
+    pub, rep = endpoints(events_daemon)
+    eng = Engine(events_daemon.socket)
+    sub = Sub(pub)
+    ctx = zmq.Context.instance()
+    greedy = ctx.socket(zmq.DEALER)
+    greedy.setsockopt(zmq.LINGER, 0)
+    greedy.connect(rep)
+    junk = ctx.socket(zmq.DEALER)
+    junk.setsockopt(zmq.LINGER, 0)
+    junk.connect(rep)
+    try:
+        eng.store([key(1), key(2)])
+        live = [sub.recv()]
+        assert replay(rep, 2**62) == []  # past the end: just the end marker
+        junk.send_multipart([b"", b"\xff" * 8])  # -1: from the oldest kept
+        frames = []
+        while not frames or frames[-1][2] != b"\xff" * 8:
+            assert junk.poll(5000), "no answer to a request of -1"
+            frames.append(junk.recv_multipart())
+        assert [f[1:] for f in frames[:-1]] == [[t, s.to_bytes(8, "big"), p]
+                                                 for t, s, p in live]
+        for _ in range(200):  # never read: cut short at the requester's queue limit
+            greedy.send_multipart([b"", (0).to_bytes(8, "big")])
+        junk.send_multipart([b"", b"not eight bytes"])
+        junk.send_multipart([b"x", b"y", b"z", b"w"])
+        t0 = time.monotonic()
+        eng.store([key(3)])  # the daemon still serves
+        assert time.monotonic() - t0 < 5
+        assert replay(rep, 0)[:1] == live
+        st = events_daemon.status()["events"]
+        assert st["bad_replay_requests"] == 2
+    finally:
+        for s in (greedy, junk):
+            s.close(linger=0)
+        eng.close()
+        sub.close()
+
+
 def test_flush_publishes_all_blocks_cleared(events_daemon, capsys):
     pub, _ = endpoints(events_daemon)
     eng = Engine(events_daemon.socket)
