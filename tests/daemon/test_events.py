@@ -102,11 +102,13 @@ def test_framing_sequence_and_layout(events_daemon):
     pub, _ = endpoints(events_daemon)
     sub = Sub(pub)
     eng = Engine(events_daemon.socket)
+    base = events_daemon.status()["events"]["next_seq"]
+    assert base > 1_700_000_000 * 10**6  # the start time in µs: above any earlier run's
     try:
         ks = [key(i) for i in range(6)]
         eng.store(ks[:4])
         topic, seq, payload = sub.recv()
-        assert (topic, seq) == (TOPIC, 0)
+        assert (topic, seq) == (TOPIC, base)
         # vLLM's layout: an array [ts, events, dp rank (none: kvd is no DP rank)];
         # each event a map tagged by "type".
         raw = msgspec.msgpack.decode(payload)
@@ -124,11 +126,12 @@ def test_framing_sequence_and_layout(events_daemon):
         eng.store(ks, depth=0)
         topic, seq, payload = sub.recv()
         (ev,) = decode(payload).events
-        assert seq == 1 and ev.block_hashes == [published(k) for k in ks[4:]]
+        assert seq == base + 1 and ev.block_hashes == [published(k) for k in ks[4:]]
         assert ev.parent_block_hash == published(ks[3])
         assert sub.quiet()  # one batch per loop iteration, not one per block
         st = events_daemon.status()["events"]
-        assert st["batches"] == 2 and st["next_seq"] == 2 and st["dropped_batches"] == 0
+        assert st["batches"] == 2 and st["next_seq"] == base + 2
+        assert st["dropped_batches"] == 0
     finally:
         eng.close()
         sub.close()
@@ -181,16 +184,17 @@ def test_replay_returns_missed_batches(events_daemon):
     pub, rep = endpoints(events_daemon)
     eng = Engine(events_daemon.socket)
     sub = Sub(pub)
+    base = events_daemon.status()["events"]["next_seq"]
     try:
         live = []
         for i in range(3):
             eng.store([key(10 * i + j) for j in range(3)])
             live.append(sub.recv())
-        assert [s for _, s, _ in live] == [0, 1, 2]
-        assert replay(rep, 1) == live[1:]  # byte for byte, topic and sequence included
-        assert replay(rep, 0) == live
-        assert replay(rep, 3) == []
-        assert events_daemon.status()["events"]["replay_requests"] == 3
+        assert [s for _, s, _ in live] == [base, base + 1, base + 2]
+        assert replay(rep, base + 1) == live[1:]  # byte for byte, topic and seq included
+        assert replay(rep, base) == live == replay(rep, 0)  # from before: all kept
+        assert replay(rep, base + 3) == []
+        assert events_daemon.status()["events"]["replay_requests"] == 4
     finally:
         eng.close()
         sub.close()
@@ -299,6 +303,7 @@ def test_stuck_subscriber_does_not_slow_stores(daemon_factory, tmp_path):
     d = daemon_factory("--events-endpoint", f"ipc://{tmp_path}/events.ipc",
                        "--events-hwm", "2", "--pool-size", "16M", "--extent-size", "1M")
     pub, _ = endpoints(d)
+    first = d.status()["events"]["next_seq"]
     stuck = Sub(pub, rcvhwm=1, rcvbuf=4096)  # connected, never reads
     healthy = Sub(pub)
     got: list[int] = []
@@ -331,7 +336,7 @@ def test_stuck_subscriber_does_not_slow_stores(daemon_factory, tmp_path):
         assert worst < 2.0, f"a store took {worst:.2f} s with a stuck subscriber"
         time.sleep(0.5)
         # The healthy subscriber missed nothing: every sequence, in order.
-        assert got == list(range(st["next_seq"]))
+        assert got == list(range(got[0], st["next_seq"])) and got[0] == first
     finally:
         stop.set()
         reader.join(5)
@@ -386,8 +391,9 @@ def test_kvdctl_events_follows_the_stream(events_daemon, capsys):
         assert results == [0]
         lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()
                  if x.startswith("{\"topic")]
+        base = lines[0]["seq"]
         assert [(x["topic"], x["seq"], x["missed"]) for x in lines] == [
-            (TOPIC.decode(), 0, 0), (TOPIC.decode(), 1, 0)]
+            (TOPIC.decode(), base, 0), (TOPIC.decode(), base + 1, 0)]
         assert lines[0]["events"][0] == {"type": "AllBlocksCleared"}  # first on its topic
         stored = lines[0]["events"][1]
         assert stored["type"] == "BlockStored"
