@@ -180,8 +180,8 @@ class Publisher:
                 "bad_replay_requests": c.bad_replay_requests,
                 "replayed_batches": c.replayed_batches}
 
-    def close(self) -> None:
-        self.pub.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        self.pub.close(linger=linger_ms)
         if self.replay is not None:
             self.replay.close(linger=0)
 
@@ -261,6 +261,11 @@ class KvEvents:
     def status(self) -> dict:
         return {**self.publisher.status(), "node": self.node, "topic": self.topic}
 
-    def close(self) -> None:
+    def close(self, clear: bool = False) -> None:
+        """``clear``: the blocks go with this daemon (no persistence): routers are told
+        on every topic it spoke on, instead of routing to it until another run does."""
         self.flush()
-        self.publisher.close()
+        if clear and self._opened:
+            payload = self._encode(KVEventBatch(time.time(), [AllBlocksCleared()]))
+            self.publisher.publish([(t, payload, 1) for t in sorted(self._opened)])
+        self.publisher.close(linger_ms=500 if clear and self._opened else 0)

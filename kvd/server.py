@@ -281,7 +281,7 @@ class Server:
         if self.kv_events is not None:
             if self.kv_events.publisher.replay_fd is not None:
                 self.loop.remove_reader(self.kv_events.publisher.replay_fd)
-            self.kv_events.close()
+            self.kv_events.close(clear=self.service.persist is None)
         for engine in self.engines.values():
             engine.close()
         if self.service.tiering is not None:  # queued writes finish, then the tiers close

@@ -242,6 +242,22 @@ def test_bad_or_greedy_replay_requests_cannot_stall_the_daemon(events_daemon):
         sub.close()
 
 
+def test_a_daemon_that_stops_without_persistence_clears_what_it_announced(events_daemon):
+    pub, _ = endpoints(events_daemon)
+    eng = Engine(events_daemon.socket)
+    sub = Sub(pub)
+    try:
+        eng.store([key(1), key(2)])
+        first = decode(sub.recv()[2]).events
+        assert isinstance(first[-1], BlockStored)
+        eng.close()
+        assert events_daemon.stop() == 0  # its pool goes with it
+        topic, _, payload = sub.recv()
+        assert topic == TOPIC and decode(payload).events == [AllBlocksCleared()]
+    finally:
+        sub.close()
+
+
 def test_flush_publishes_all_blocks_cleared(events_daemon, capsys):
     pub, _ = endpoints(events_daemon)
     eng = Engine(events_daemon.socket)
