@@ -435,16 +435,21 @@ def test_worker_shutdown_closes_its_data_path_while_the_daemon_can_still_confirm
     assert seen == {"conn_up": True, "jobs_open": []}
 
 
+def stored_then_hit(mgr, worker, tag: str) -> KvdSlots:
+    """Blocks 1 and 2 stored under two keys, looked up by a new request: its load spec."""
+    keys = keys_for(tag, 2)
+    store(mgr, worker, keys, [1, 2], job_id=0)
+    ctx = request(f"r-{tag}", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT, HIT]
+    return mgr.prepare_load(keys, ctx)
+
+
 def test_a_load_whose_lease_is_gone_fails_and_is_recomputed(engine_side, daemon):
     """prepare_load hands the lease to the workers with the slots; once it is gone
     (released, lapsed, dropped) the daemon refuses the load, which vLLM recomputes."""
     mgr, worker, storage = engine_side
-    keys = keys_for("gone", 2)
-    store(mgr, worker, keys, [1, 2], job_id=0)
-    ctx = request("r-gone", keys)
-    mgr.on_new_request(ctx)
-    assert answer(mgr, ctx, keys) == [HIT, HIT]
-    spec = mgr.prepare_load(keys, ctx)
+    spec = stored_then_hit(mgr, worker, "gone")
     assert spec.lease == mgr._reqs["r-gone"].lease > 0
     mgr.conn.request(m.Release(mgr.conn.next_req(), spec.lease))  # lapsed, say
     storage[:, 20:22] = 0
@@ -461,12 +466,7 @@ def test_worker_shutdown_waits_for_the_copies_into_its_memory(engine_side, daemo
     import threading
 
     mgr, worker, storage = engine_side
-    keys = keys_for("sd", 2)
-    store(mgr, worker, keys, [1, 2], job_id=0)
-    ctx = request("r-sd", keys)
-    mgr.on_new_request(ctx)
-    assert answer(mgr, ctx, keys) == [HIT, HIT]
-    spec = mgr.prepare_load(keys, ctx)
+    spec = stored_then_hit(mgr, worker, "sd")
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
         assert worker.submit_load(6, spec, gpu([24, 25]))
