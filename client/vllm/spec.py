@@ -78,12 +78,12 @@ class KvdOffloadingSpec(OffloadingSpec):
             if isinstance(path, str):
                 self._worker = OffloadOff(rank, path)
                 self._worker.boundary.count("data_path.off")
+                _report_load_errors_through(self._worker, self)
             else:
                 self._worker = KvdWorker(self.options, self.fingerprint, kv_caches,
-                                         rank=rank, path=path)
+                                         rank=rank, path=path, spec=self)
                 if path.kind == "client_copy":
                     self._worker.boundary.count("data_path.client_copy")
-            _report_load_errors_through(self._worker, self)
         return self._worker
 
 

@@ -102,8 +102,11 @@ class _Job:
 class KvdWorker(OffloadingWorker):
     def __init__(self, options: KvdOptions, fingerprint: m.Fingerprint,
                  kv_caches: CanonicalKVCaches, *, rank: int,
-                 path: _HostPath | CudaPath | ClientCopyPath | None = None) -> None:
-        """``path``: the data path get_worker chose (its fallbacks); else the tensors'."""
+                 path: _HostPath | CudaPath | ClientCopyPath | None = None,
+                 spec: object = None) -> None:
+        """``path``: the data path get_worker chose (its fallbacks); else the tensors'.
+        ``spec``: the OffloadingSpec it serves (inside a MultiConnector, the connector
+        running it reports this worker's failed loads)."""
         self.options = options
         self.rank = rank
         self.boundary = Boundary(f"worker{rank}")
@@ -123,6 +126,7 @@ class KvdWorker(OffloadingWorker):
             on_event_waited=lambda ev: self.path.event_done(ev.cuda_event))
         log.info("kvd worker rank %d: %s data path, %d KV tensors, socket %s", rank,
                  self.path.kind, len(self.tensors), options.socket)
+        _report_load_errors_through(self, spec)
 
     # ------------------------------------------------------------ submit
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,

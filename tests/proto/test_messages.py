@@ -20,9 +20,10 @@ def test_golden_bytes_of_core_messages():
         "97a4646f6e65" "0905" "00" "a0" "00" "cb0000000000000000")
     t = m.Transfer(9, 5, m.Direction.LOAD, pack_u32([1, 2]), pack_u32([3]))
     assert m.encode(t).hex() == (
-        "99a87472616e73666572" "09" "05" "01" "c4080100000002000000" "c40403000000" "ff"
+        "9aa87472616e73666572" "09" "05" "01" "c4080100000002000000" "c40403000000" "ff"
         "00"  # ticket, appended in the same protocol version (the wire only grows)
-        "00")  # deadline_ns, appended the same way
+        "00"  # deadline_ns, appended the same way
+        "00")  # lease, appended the same way
 
 
 @pytest.mark.parametrize("msg", [
@@ -99,6 +100,27 @@ def test_deadline_and_peer_pid_grow_the_wire_both_ways():
     new = m.Transfer(9, 5, m.Direction.STORE, pack_u32([1]), b"", -1, 77, 123_456_789)
     assert msgspec.msgpack.decode(m.encode(new), type=OldTransfer).ticket == 77
     assert m.decode_request(m.encode(new)).deadline_ns == 123_456_789
+
+
+def test_a_loads_lease_grows_the_wire_both_ways():
+    # A client from before leased loads: its Transfer decodes with "no lease named".
+    old = msgspec.msgpack.encode(["transfer", 9, 5, 1, b"", b"", -1, 0, 0])
+    assert m.decode_request(old).lease == 0
+
+    class OldTransfer(msgspec.Struct, array_like=True, tag="transfer", frozen=True):
+        req: int
+        event: int
+        direction: int
+        block_ids: bytes
+        slots: bytes
+        cuda_event: int = -1
+        ticket: int = 0
+        deadline_ns: int = 0
+
+    new = m.Transfer(9, 5, m.Direction.LOAD, pack_u32([1]), pack_u32([2]), -1, 0, 7,
+                     lease=1 << 50)
+    assert msgspec.msgpack.decode(m.encode(new), type=OldTransfer).deadline_ns == 7
+    assert m.decode_request(m.encode(new)).lease == 1 << 50
 
 
 def test_packed_ids():
