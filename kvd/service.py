@@ -37,6 +37,11 @@ from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32
 
 log = logging.getLogger("kvd.service")
+# Sizes no engine comes near: a message that does would cost the loop seconds and the
+# daemon memory it keeps (a tenant is kept for the run, a key for its block's life).
+MAX_TENSORS = 4096  # rank_page_bytes entries of one fingerprint
+MAX_NAME = 1024  # bytes of a fingerprint's names, or a client's name
+MAX_KEY = 1024  # bytes of one block key (vLLM's are 36)
 Send = Callable[[bytes, m.Reply], None]
 
 
@@ -206,7 +211,8 @@ class Service:
         old = self.clients.get(identity)
         if old is not None:
             self.client_gone(identity)
-        client = Client(self._next_client, identity, peer.pid or msg.pid, msg.name, msg.pid,
+        client = Client(self._next_client, identity, peer.pid or msg.pid, msg.name[:MAX_NAME],
+                        msg.pid,
                         peer_pid=peer.pid, uid=peer.uid, admin=self.access.admin(peer),
                         last_seen=self.clock())
         self._next_client += 1
@@ -220,15 +226,28 @@ class Service:
         fp = msg.fingerprint
         if client.tenant is not None:
             raise RequestError("already registered; open a new connection to re-register")
+        if not 1 <= fp.tp_size <= 64:  # a block's ranks are bits of one uint64
+            raise RequestError(f"tp_size {fp.tp_size} not in 1..64")
         if not 0 <= fp.pp_rank < 1024 or not -1 <= msg.rank < fp.tp_size:
             raise RequestError(f"rank {msg.rank} not in -1..{fp.tp_size - 1}")
+        # Checked before the tenant exists: a refused Register leaves nothing behind.
+        pages = fp.rank_page_bytes
+        if not 0 < len(pages) <= MAX_TENSORS or min(pages) <= 0:
+            raise RequestError(f"a fingerprint needs 1..{MAX_TENSORS} page sizes above 0")
+        if max(len(fp.model), len(fp.dtype), len(fp.kv_dtype), len(fp.hash_algo),
+               len(fp.root_hash), len(fp.extra)) > MAX_NAME:
+            raise RequestError(f"a fingerprint field is longer than {MAX_NAME}")
+        if msg.client_copy and client.uid not in (os.getuid(), 0):
+            # It writes the pool file itself: only who can open that file (0600, ours)
+            # may say it did; anyone else would publish what the slots held before.
+            raise KvdError(f"uid {client.uid} cannot open the pool file: no client-side "
+                           "copies (share the daemon's uid)", m.Code.PERMISSION)
         digest = fingerprint_digest(msgspec.structs.asdict(fp))
         known = len(self.tenants)
         try:
+            self.index.allocator.check_slot_bytes(sum(pages) * fp.tp_size)
             tenant = self.tenants.get_or_create(
-                digest, model=fp.model, tp_size=fp.tp_size,
-                rank_page_bytes=tuple(fp.rank_page_bytes))
-            self.index.allocator.check_slot_bytes(tenant.slot_bytes)
+                digest, model=fp.model, tp_size=fp.tp_size, rank_page_bytes=tuple(pages))
         except (TenantError, AllocatorError) as e:
             raise RequestError(str(e)) from None
         if len(self.tenants) > known and self.persist is not None:
@@ -280,6 +299,10 @@ class Service:
                 f"{len(regions)} memory regions for a fingerprint of "
                 f"{len(tenant.rank_page_bytes)} tensors", m.Code.SIZE_MISMATCH)
         for r, page in zip(regions, tenant.rank_page_bytes):
+            if kind == "host" and not (0 < r.base and r.num_blocks > 0 and r.base + (
+                    r.num_blocks - 1) * r.stride + r.page_bytes <= 1 << 64):
+                raise RequestError(f"host region at {r.base:#x} of {r.num_blocks} blocks "
+                                   "is not inside the address space", m.Code.SIZE_MISMATCH)
             if r.page_bytes != page or r.num_blocks <= 0 or r.stride < r.page_bytes:
                 raise RequestError(
                     f"region page {r.page_bytes} B / stride {r.stride} B / "
@@ -297,6 +320,8 @@ class Service:
         if len(keys) > self.config.max_keys_per_request:
             raise RequestError(f"{len(keys)} keys in one request; at most "
                                f"{self.config.max_keys_per_request}")
+        if keys and max(map(len, keys)) > MAX_KEY:
+            raise RequestError(f"a key is longer than {MAX_KEY} bytes")
 
     def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
         self._check_keys(msg.keys)

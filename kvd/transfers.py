@@ -202,6 +202,9 @@ class Transfers:
         if msg.deadline_ns < 0:
             raise RequestError(f"bad deadline {msg.deadline_ns}")
         store = msg.direction == m.Direction.STORE
+        if len(msg.block_ids) > 4 * self.config.max_keys_per_request:  # arrays scale with it
+            raise BadIds(f"{len(msg.block_ids) // 4} blocks in one Transfer; at most "
+                         f"{self.config.max_keys_per_request}")
         try:
             blocks = unpack_u32(msg.block_ids).astype(np.uint64)
         except ValueError as e:
