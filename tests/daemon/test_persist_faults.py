@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def test_a_failed_compaction_keeps_the_journal_and_is_retried(tmp_path, monkeypa
     for i in range(15):  # churn: commits and drops, many more records than blocks
         store(ix, t, p, [bytes([i, j]) * 4 for j in range(4)])
     store(ix, t, p, [b"a" * 8, b"b" * 8])
-    before = open(path, "rb").read()
+    before = Path(path).read_bytes()
     real = os.write
     monkeypatch.setattr(os, "write", lambda fd, buf: real(fd, bytes(buf)[:len(buf) // 2]))
     with pytest.raises(OSError, match="short write"):
@@ -83,7 +84,7 @@ def test_a_failed_compaction_keeps_the_journal_and_is_retried(tmp_path, monkeypa
     assert p._compacting is not None
     p._compacting.join()
     p.finish_compaction()  # the thread's snapshot failed the same way: logged, kept
-    assert p.recovery.errors == 1 and open(path, "rb").read() == before
+    assert p.recovery.errors == 1 and Path(path).read_bytes() == before
     assert not os.path.exists(path + ".tmp")
     monkeypatch.setattr(os, "write", real)
     p.maybe_compact(ix, tenants)
@@ -95,7 +96,7 @@ def test_a_failed_compaction_keeps_the_journal_and_is_retried(tmp_path, monkeypa
 def test_a_journal_that_cannot_be_written_at_start_leaves_persistence_off(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    ix, tenants, t, p = setup(str(blocker / "pool.journal"))  # ENOTDIR, even for root
+    ix, _, t, p = setup(str(blocker / "pool.journal"))  # ENOTDIR, even for root
     assert p.journal is None and p.recovery.errors == 1
     store(ix, t, p, [b"x" * 8])  # serving goes on, unjournaled
     assert ix.ready_blocks == 1 and ix.events == []
@@ -105,7 +106,7 @@ def test_a_journal_that_cannot_be_written_at_start_leaves_persistence_off(tmp_pa
 def test_an_unreadable_journal_starts_an_empty_pool(tmp_path):
     path = tmp_path / "pool.journal"
     path.mkdir()  # EISDIR on read and on the rewrite
-    ix, tenants, t, p = setup(str(path))
+    ix, _, _, p = setup(str(path))
     assert p.recovery.discarded.startswith("journal unreadable")
     assert p.journal is None and ix.ready_blocks == 0
     p.close()
