@@ -347,11 +347,11 @@ class _IO:
             # its timeout; a Transfer is left to its Done or deadline (the daemon may
             # still be copying it).
             log.warning("undecodable reply from kvd: %s", e)
-            req = m.peek_req(data)
+            tag, req = m.peek(data)
             entry = self.pending.pop(req, None)
             if entry is not None and entry[0] is not None:
                 entry[0].set_exception(RemoteError(m.Code.INTERNAL, f"undecodable reply: {e}"))
-            elif req in self.transfers and m.peek_tag(data) == "done":  # copying is over
+            elif req in self.transfers and tag == "done":  # copying is over
                 msg, _ = self.transfers.pop(req)
                 self.deliver(m.Done(req, msg.event, m.Code.INTERNAL, f"undecodable Done: {e}"))
             return

@@ -90,9 +90,7 @@ def read_records(path: str, decoder: msgspec.msgpack.Decoder | None = None, *,
     except FileNotFoundError:
         return
     pos = 0
-    while pos < len(data):
-        if pos + _FRAME.size > len(data):
-            break
+    while pos + _FRAME.size <= len(data):
         length, check = _FRAME.unpack_from(data, pos)
         start = pos + _FRAME.size
         payload = data[start:start + length]

@@ -195,7 +195,7 @@ class Persistence:
         self._compacting = None
         backlog, self._backlog = self._backlog or [], None
         assert self.journal is not None
-        failed, self._failed = self._failed, False
+        failed, self._failed = self._failed, ""
         if not failed:
             try:
                 self.journal.swap_snapshot(backlog)

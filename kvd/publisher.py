@@ -48,14 +48,13 @@ class PublisherCounters:
 
 class Publisher:
     def __init__(self, endpoint: str, replay_endpoint: str = "", hwm: int = 100_000,
-                 buffer_steps: int = 10_000, ctx: zmq.Context | None = None,
-                 first_seq: int | None = None) -> None:
+                 buffer_steps: int = 10_000, ctx: zmq.Context | None = None) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.counters = PublisherCounters()
         # Microseconds since the epoch at start: a restarted daemon continues above the
         # last run's sequence, so a subscriber sees the restart as a gap and replays
         # the new run's opening AllBlocksCleared instead of mistaking seq 0 for old.
-        self.seq = time.time_ns() // 1000 if first_seq is None else first_seq
+        self.seq = time.time_ns() // 1000
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)

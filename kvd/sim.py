@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import IO
 
 import numpy as np
@@ -51,6 +52,11 @@ class Trace:
     @property
     def block_refs(self) -> int:
         return sum(map(len, self.requests))
+
+    @cached_property
+    def distinct_blocks(self) -> int:
+        """A pool this large never evicts: a larger one gives the same replay."""
+        return max(1, len({h for r in self.hash_ids for h in r}))
 
     def split(self) -> int:
         """The first request of the second half by time: warm up on what comes before
@@ -207,7 +213,7 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False,
     else:
         pol = make_policy(policy, capacity)
         begin = None
-    index = Index(_allocator(min(capacity, distinct_blocks(trace))), pol)
+    index = Index(_allocator(min(capacity, trace.distinct_blocks)), pol)
     lookup, allocate, store_done = index.lookup, index.allocate, index.store_done
     # The index defers telling the policy about hits to its next mutating call, which
     # changes no decision (the calls reach the policy in the same order), but Belady
@@ -257,11 +263,6 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False,
         stored_blocks=c.stored_blocks - base[2],
         counted_from=min(count_from, total),
     )
-
-
-def distinct_blocks(trace: Trace) -> int:
-    """A pool this large never evicts: a larger one gives the same replay."""
-    return max(1, len({h for r in trace.hash_ids for h in r}))
 
 
 def _allocator(slots: int) -> Allocator:

@@ -328,21 +328,19 @@ def decode_reply(data: bytes | memoryview) -> Reply:
         raise msgspec.DecodeError(f"invalid UTF-8: {e}") from None
 
 
-def peek_tag(data: bytes | memoryview) -> str:
-    """Best-effort message type of an undecodable message ("" when not even that)."""
+def peek(data: bytes | memoryview) -> tuple[str, int]:
+    """Best-effort type and request id of an undecodable message ("" and 0 where it
+    does not even say), so its error can be matched."""
     try:
         raw = msgspec.msgpack.decode(data)
-    except Exception:  # noqa: BLE001 - garbage has no type
-        return ""
-    return raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else ""
+    except Exception:  # noqa: BLE001 - garbage has neither
+        return "", 0
+    if not isinstance(raw, list) or not raw:
+        return "", 0
+    tag = raw[0] if isinstance(raw[0], str) else ""
+    req = raw[1] if len(raw) > 1 and isinstance(raw[1], int) and 0 <= raw[1] < 2**63 else 0
+    return tag, req
 
 
 def peek_req(data: bytes | memoryview) -> int:
-    """Best-effort request id of an undecodable message, so its error can be matched."""
-    try:
-        raw = msgspec.msgpack.decode(data)
-    except Exception:  # noqa: BLE001 - garbage gets req 0
-        return 0
-    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], int):
-        return raw[1] if 0 <= raw[1] < 2**63 else 0
-    return 0
+    return peek(data)[1]

@@ -254,7 +254,7 @@ class KvdManager(OffloadingManager):
         # the worker fail the job, and vLLM recomputes: prepare_load itself cannot fail.
         if st is None:
             return KvdSlots(slots, "")
-        return KvdSlots(slots, st.instance, lease=st.lease if hits else 0)
+        return KvdSlots(slots, st.instance, lease=st.lease)
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         st = self._reqs.get(req_context.req_id)

@@ -162,7 +162,7 @@ class KvdWorker(OffloadingWorker):
                                          m.Direction.LOAD if load else m.Direction.STORE,
                                          pack_u32(blocks), pack_u32(slots_spec.slots),
                                          cuda_event, slots_spec.ticket,
-                                         lease=slots_spec.lease if load else 0),
+                                         lease=slots_spec.lease),
                               instance=slots_spec.instance)
         if not sent:  # went down in between: nothing will answer
             self._on_done(m.Done(0, job_id, m.Code.CLIENT_GONE, "kvd not connected"))
