@@ -8,7 +8,6 @@ Loaded by the engine like any out-of-tree spec:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvd_client.vllm.spec import KvdOffloadingSpec, _tp_rank
@@ -17,26 +16,18 @@ from kvd_proto import messages as m
 
 
 class GarblingWorker(KvdWorker):
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.garble: list[np.ndarray] = []
-
     def _on_done(self, done: m.Done) -> None:
+        """The blocks are garbled before the failure can be seen, as a torn copy writes
+        them before its Done: garbling any later could hit blocks vLLM has recomputed."""
         with self._cond:
             job = self._jobs.get(done.event)
-            if job is not None and job.load and done.code == m.Code.OK:
-                self.garble.append(job.block_ids)
-                done = m.Done(done.req, done.event, m.Code.TRANSFER_FAILED, "garbled (test)")
-        super()._on_done(done)
-
-    def get_finished(self):  # type: ignore[no-untyped-def]
-        with self._cond:
-            garble, self.garble = self.garble, []
-        for blocks in garble:  # before vLLM hears of the failure, as a torn copy would be
-            idx = torch.as_tensor(blocks, dtype=torch.long, device=self.tensors[0].device)
+        if job is not None and job.load and done.code == m.Code.OK:
+            idx = torch.as_tensor(job.block_ids, dtype=torch.long,
+                                  device=self.tensors[0].device)
             for t in self.tensors:
                 t[idx] = 77
-        return super().get_finished()
+            done = m.Done(done.req, done.event, m.Code.TRANSFER_FAILED, "garbled (test)")
+        super()._on_done(done)
 
 
 class GarblingSpec(KvdOffloadingSpec):
