@@ -1,13 +1,16 @@
 """The pool: one shared-memory file mapped by the daemon.
 
 Copies address it by absolute pointer (``base``), so it is mapped once for the life
-of the daemon. Pages are faulted in up front (MADV_POPULATE_WRITE, falling back to a
-same-value write per page, which keeps a persisted pool's bytes) so the first stores do not pay for page faults; mlock is optional.
+of the daemon. Its memory is reserved (fallocate): a full /dev/shm is an error at start,
+not a SIGBUS later. Pages are faulted in up front (MADV_POPULATE_WRITE, falling back to
+a same-value write per page, which keeps a persisted pool's bytes) so the first stores
+do not pay for page faults; mlock is optional.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import logging
 import mmap
@@ -27,6 +30,31 @@ def touch_pages(array: np.ndarray) -> None:
     pool (warm restart) holds data, so the fallback prefault must not zero it."""
     view = array[:: mmap.PAGESIZE]
     np.bitwise_or(view, 0, out=view)
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Give the pool its memory now. A shared-memory file is sparse: a page its
+    filesystem has no room for (a container's 64 MiB /dev/shm) would kill the daemon
+    with SIGBUS at the first copy into it, or at the prefault."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            log.warning("pool file %s: its filesystem cannot reserve space (%s); a full "
+                        "filesystem will stop the daemon with SIGBUS", path, e.strerror)
+            return
+        free = os.statvfs(path)
+        raise ConfigError(
+            f"cannot reserve {size >> 20} MiB for pool file {path}: {e.strerror} "
+            f"({free.f_bavail * free.f_frsize >> 20} MiB free there; lower pool_size or "
+            "give the filesystem more room, e.g. a container's --shm-size)") from None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class Pool:
@@ -50,14 +78,20 @@ class Pool:
             raise ConfigError(f"pool file {path} is in use by another kvd; give each daemon "
                               "its own pool_path") from None
         self._fd = fd
+        self.reused = False
         try:
             self.reused = keep and os.fstat(fd).st_size == size
             if not self.reused:
                 os.ftruncate(fd, 0)  # stale bytes of another geometry never survive
             os.ftruncate(fd, size)
+            _reserve(fd, path, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
+        except (OSError, ConfigError) as e:
+            if not self.reused:  # ours, and empty: nothing of a kept pool is lost
+                _unlink(path)
             os.close(fd)
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(
                 f"cannot size pool file {path} to {size} bytes: {e.strerror} "
                 "(is /dev/shm large enough?)"
@@ -93,10 +127,7 @@ class Pool:
         if unlink is None:
             unlink = not self.keep
         if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            _unlink(self.path)
         if self._fd >= 0:  # after the unlink: a daemon that locks the path next is not
             os.close(self._fd)  # the one whose file goes
             self._fd = -1

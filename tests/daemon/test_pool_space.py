@@ -1,0 +1,68 @@
+"""A pool larger than its filesystem's free room (a container's 64 MiB /dev/shm) is a
+clear error at start, not a daemon killed by SIGBUS at its first copy."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvd.errors import ConfigError
+from kvd.pool import Pool
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 MiB tmpfs of its own (needs the right to mount, as root in a container has)."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_pool_too_large_for_its_filesystem_is_refused(small_tmpfs):
+    path = str(small_tmpfs / "kvd.pool")
+    with pytest.raises(ConfigError, match="No space left.*MiB free there"):
+        Pool(path, 64 << 20)
+    assert os.listdir(small_tmpfs) == []  # nothing left taking the room
+    pool = Pool(path, 8 << 20)  # what fits is served
+    pool.array[:] = 1
+    assert int(pool.array.sum()) == 8 << 20
+    pool.close()
+
+
+def test_a_kept_pool_that_cannot_be_reserved_again_is_kept(small_tmpfs):
+    """A warm-restart pool with a hole the filesystem has no room to fill any more: the
+    start fails, and the file with its cached bytes stays for a start with more room."""
+    path = small_tmpfs / "kvd.pool"
+    pool = Pool(str(path), 8 << 20, keep=True)
+    pool.array[:] = 3
+    pool.close()
+    (small_tmpfs / "filler").write_bytes(b"x" * (8 << 20))
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "r+b") as f:  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        assert libc.fallocate(f.fileno(), 3, ctypes.c_long(0), ctypes.c_long(1 << 20)) == 0
+    (small_tmpfs / "filler2").write_bytes(b"x" * (1 << 20))
+    with pytest.raises(ConfigError, match="No space left"):
+        Pool(str(path), 8 << 20, keep=True)
+    assert path.stat().st_size == 8 << 20
+    assert set(path.read_bytes()[1 << 20:]) == {3}
+
+
+def test_the_daemon_stops_with_a_clear_error(small_tmpfs, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    r = subprocess.run([sys.executable, "-m", "kvd.cli.serve", "serve",
+                        "--socket", str(tmp_path / "kvd.sock"),
+                        "--pool-path", str(small_tmpfs / "kvd.pool"), "--pool-size", "64M",
+                        "--extent-size", "1M", "--metrics-port", "0"],
+                       capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert r.returncode not in (0, -7), r  # -7: SIGBUS
+    assert "cannot reserve 64 MiB" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert os.listdir(small_tmpfs) == []
