@@ -60,6 +60,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     admin_uids: list[int] = []  # may evict/flush/read config (own uid and root always)
     max_leased_blocks: int = 1 << 20  # per client: blocks held by its leases at once
     max_pending_blocks: int = 1 << 20  # per client: blocks allocated and not yet stored
+    max_tenants: int = 1024  # fingerprints known at once; client-less ones make room
     client_timeout_ms: int = 10_000  # a client silent this long (no ping) is dropped
     max_message_bytes: int = 16 * 1024**2
     # KV events in vLLM's format for fleet routers (README "Fleet routing"); "" is off.
@@ -104,6 +105,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(f"events_topic {self.events_topic!r}: use only {{node}}, "
                              f"{{model}} and {{tenant}} ({e})") from None
+        if not 1 <= self.max_tenants <= 1 << 20:
+            raise ValueError(f"max_tenants {self.max_tenants} not in 1..{1 << 20}")
         if self.events_hwm < 1:
             raise ValueError("events_hwm must be at least 1")
         if self.disk_path and self.disk_size < self.extent_size:

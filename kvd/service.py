@@ -60,7 +60,7 @@ class Service:
         self.policy_name = policy.name
         self.index = Index(alloc, policy, record=config.persist or bool(config.events_endpoint),
                            first_lease=1 + (int.from_bytes(os.urandom(6), "little") << 7))
-        self.tenants = Tenants()
+        self.tenants = Tenants(config.max_tenants)
         self.persist: Persistence | None = None
         if config.persist:
             self.persist = Persistence(config.journal, Header(
@@ -243,15 +243,17 @@ class Service:
             raise KvdError(f"uid {client.uid} cannot open the pool file: no client-side "
                            "copies (share the daemon's uid)", m.Code.PERMISSION)
         digest = fingerprint_digest(msgspec.structs.asdict(fp))
-        known = len(self.tenants)
         try:
             self.index.allocator.check_slot_bytes(sum(pages) * fp.tp_size)
-            tenant = self.tenants.get_or_create(
-                digest, model=fp.model, tp_size=fp.tp_size, rank_page_bytes=tuple(pages))
+            tenant = self.tenants.find(digest)
+            if tenant is None:
+                self._make_room_for_a_tenant()
+                tenant = self.tenants.create(
+                    digest, model=fp.model, tp_size=fp.tp_size, rank_page_bytes=tuple(pages))
+                if self.persist is not None:
+                    self.persist.tenant_added(tenant)
         except (TenantError, AllocatorError) as e:
             raise RequestError(str(e)) from None
-        if len(self.tenants) > known and self.persist is not None:
-            self.persist.tenant_added(tenant)
         if msg.rank >= 0:
             self._attach_memory(client, tenant, msg)
         client.tenant, client.rank = tenant, msg.rank
@@ -265,6 +267,25 @@ class Service:
         alloc = self.index.allocator
         return m.Registered(msg.req, tenant.id, tenant.slot_bytes, tenant.rank_bytes,
                             self.pool.path, alloc.extent_bytes, alloc.slots_per_extent_max)
+
+    def _make_room_for_a_tenant(self) -> None:
+        """At the tenant limit a tenant no client uses gives up its place (and its blocks
+        in RAM): engines restarted with new fingerprints (a random root hash without
+        PYTHONHASHSEED, new weights) must not be refused for good. Its blocks could
+        only serve an engine of the same fingerprint, which then gets a new tenant; the
+        tiers find theirs again by the fingerprint's digest."""
+        tenants = self.tenants
+        tenants.max_tenants = self.config.max_tenants
+        if len(tenants) < tenants.max_tenants:
+            return
+        for t in tenants.idle():
+            n = self.index.evict_tenant(t) if t.blocks else 0
+            if t.blocks == 0:  # else a block is still leased (a promotion in flight)
+                tenants.drop(t)
+                log.info("tenant %d (%s), without clients, dropped with %d blocks: the "
+                         "tenant limit (%d) is reached", t.id, t.model, n, tenants.max_tenants)
+                if len(tenants) < tenants.max_tenants:
+                    return
 
     def _attach_memory(self, client: Client, tenant: Tenant, msg: m.Register) -> None:
         """Pick the data path from what the client registered and open its memory."""

@@ -74,25 +74,44 @@ class Tenants:
         self._next = 1
         self.max_tenants = max_tenants
 
-    def get_or_create(
-        self, digest: str, *, model: str, tp_size: int, rank_page_bytes: tuple[int, ...]
-    ) -> Tenant:
-        t = self._by_digest.get(digest)
-        if t is not None:
-            return t
-        if len(self._by_digest) >= self.max_tenants:
-            raise TenantError(f"tenant limit ({self.max_tenants}) reached")
+    def find(self, digest: str) -> Tenant | None:
+        return self._by_digest.get(digest)
+
+    def create(self, digest: str, *, model: str, tp_size: int,
+               rank_page_bytes: tuple[int, ...]) -> Tenant:
+        if len(self._by_id) >= self.max_tenants:
+            raise TenantError(f"tenant limit ({self.max_tenants}) reached: every tenant "
+                              "has a client or blocks held by a transfer")
         t = Tenant(self._next, digest, model, tp_size, tuple(rank_page_bytes))
         self._next += 1
         self._by_digest[digest] = t
         self._by_id[t.id] = t
         return t
 
+    def get_or_create(
+        self, digest: str, *, model: str, tp_size: int, rank_page_bytes: tuple[int, ...]
+    ) -> Tenant:
+        return self.find(digest) or self.create(
+            digest, model=model, tp_size=tp_size, rank_page_bytes=rank_page_bytes)
+
+    def drop(self, tenant: Tenant) -> None:
+        """Forget a tenant (its id is not reused: what is left of it is never found)."""
+        self._by_id.pop(tenant.id, None)
+        if self._by_digest.get(tenant.digest) is tenant:
+            del self._by_digest[tenant.digest]
+
+    def idle(self) -> list[Tenant]:
+        """Tenants without clients, those holding no block first, then oldest first."""
+        return sorted((t for t in self._by_id.values() if not t.clients),
+                      key=lambda t: (t.blocks > 0, t.id))
+
     def restore(self, tenant_id: int, digest: str, *, model: str, tp_size: int,
                 rank_page_bytes: tuple[int, ...]) -> Tenant:
         """Recreate a tenant with the id it had before a restart."""
         t = Tenant(tenant_id, digest, model, tp_size, tuple(rank_page_bytes))
-        self._by_digest[digest] = t
+        old = self._by_digest.get(digest)
+        if old is None or old.id < tenant_id:  # one dropped and made again: the newer
+            self._by_digest[digest] = t
         self._by_id[tenant_id] = t
         self._next = max(self._next, tenant_id + 1)
         return t

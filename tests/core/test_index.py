@@ -192,3 +192,24 @@ def test_slots_count_their_handouts():
     ix.abort(np.array([s], dtype=np.int64))
     (again,) = ix.allocate(t, [k(1)]).slots
     assert again == s and int(ix.gen[s]) == first + 1
+
+
+def test_a_dropped_tenant_is_made_again_with_a_new_id_and_never_finds_the_old_blocks():
+    ix, t, tenants = make_index()
+    tenants.max_tenants = 2
+    store(ix, t, [k(1)])
+    other = tenants.create("o", model="m2", tp_size=1, rank_page_bytes=(BLOCK,))
+    other.clients.add(7)
+    assert [x.digest for x in tenants.idle()] == ["t"]  # clients keep a tenant
+    assert ix.evict_tenant(t) == 1 and t.blocks == 0
+    tenants.drop(t)
+    again = tenants.create("t", model="m", tp_size=1, rank_page_bytes=(BLOCK,))
+    assert again.id not in (t.id, other.id) and tenants.find("t") is again
+    store(ix, t, [k(2)])  # a late store of the dropped tenant (a promotion in flight)
+    assert ix.lookup(again, [k(2)])[0] == 0
+    # A restart restores both from the journal, in any order: the newer one is found.
+    for order in ((t, again), (again, t)):
+        fresh = Tenants()
+        for x in order:
+            fresh.restore(x.id, x.digest, model=x.model, tp_size=1, rank_page_bytes=(BLOCK,))
+        assert fresh.find("t").id == again.id
