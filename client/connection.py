@@ -513,10 +513,12 @@ class _IO:
 
     def shutdown(self) -> None:
         linger = 0
-        if self.phase == "up" and not self.c._outbox.empty():
+        if self.phase == "up":
             # What close() found queued (a Release, an Abort) goes out; a Transfer does
-            # not (its Done would come to nobody while the daemon copied).
+            # not (its Done would come to nobody while the daemon copied). Bye: the
+            # daemon lets go of what this client held (and its copies) at once.
             self.flush_outbox(transfers=False)
+            self.raw_send(m.Bye(0))
             linger = 100  # ms for zmq to write it; never an unbounded wait
         self.lost("connection closed", quiet=True)
         self.flush_outbox()  # anything left: ended here (the connection is down now)

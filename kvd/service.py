@@ -128,6 +128,9 @@ class Service:
         try:
             if isinstance(msg, m.Hello):
                 return self._hello(identity, peer, msg)
+            if isinstance(msg, m.Bye):  # not answered: the client is gone
+                self.client_gone(identity, "said bye")
+                return None
             client = self.clients.get(identity)
             if client is None:
                 raise NotRegistered("send Hello first (the daemon may have restarted)")
@@ -421,7 +424,7 @@ class Service:
             self.persist.finish_compaction()
             self.persist.maybe_compact(self.index, self.tenants)
 
-    def client_gone(self, identity: bytes) -> None:
+    def client_gone(self, identity: bytes, why: str = "gone") -> None:
         client = self.clients.pop(identity, None)
         if client is None:
             return
@@ -432,8 +435,8 @@ class Service:
             client.tenant.clients.discard(client.id)
         if client.engine is not None:  # fails what is queued; closes after the copies
             client.engine.detach(client.id)
-        log.info("client %d (pid %d) gone: released %d leases, %d pending blocks",
-                 client.id, client.pid, leases, pending)
+        log.info("client %d (pid %d) %s: released %d leases, %d pending blocks",
+                 client.id, client.pid, why, leases, pending)
 
     def client_by_pid(self, pid: int) -> list[bytes]:
         return [c.identity for c in self.clients.values() if c.pid == pid]

@@ -288,6 +288,14 @@ class Ping(_Msg, tag="ping"):
     req: int
 
 
+class Bye(_Msg, tag="bye"):
+    """The client closes this connection: the daemon releases its leases and pending
+    stores now, not after ``client_timeout_ms``. Not answered. (A daemon older than
+    this message answers an Error to nobody.)"""
+
+    req: int
+
+
 class Ok(_Msg, tag="ok"):
     req: int
     count: int = 0
@@ -301,7 +309,7 @@ class Error(_Msg, tag="error"):
 
 Request = (
     Hello | Register | Lookup | Release | Allocate | Transfer | Abort | Stats | Evict | Ping
-    | Flush | GetConfig
+    | Flush | GetConfig | Bye
 )
 Reply = (HelloOk | Registered | LookupOk | Allocated | Done | StatsOk | Ok | Error
          | EventWaited | ConfigOk)

@@ -274,6 +274,38 @@ def test_dead_client_releases_leases_and_pending(daemon):
         sched.close()
 
 
+def test_a_closed_connection_releases_its_leases_and_pending_at_once(daemon_factory):
+    """Its process lives on (an engine shut down inside a longer-lived process): the
+    Bye, not the silence timeout (a minute here), lets go of what it held."""
+    d = daemon_factory(start=False)
+    d.env = {"KVD_CLIENT_TIMEOUT_MS": "60000"}
+    d.start()
+    spec = Spec(d.socket, pages=(4096,))
+    sched = scheduler(d, spec)
+    w = Worker(spec)
+    try:
+        assert w.store(1, range(4), allocate(sched, keys(4)))[1] == 0
+        closing = scheduler(d, spec)
+        assert lookup(closing, keys(4)).hits == 4
+        allocate(closing, keys(3, "p"))
+        st = d.status()
+        assert (st["blocks"]["pinned"], st["blocks"]["pending"]) == (4, 3)
+        clients = len(st["clients"])
+        closing.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            st = d.status()
+            if len(st["clients"]) < clients:
+                break
+            time.sleep(0.05)
+        assert (st["blocks"]["pinned"], st["blocks"]["pending"]) == (0, 0)
+        assert len(st["clients"]) == clients - 1
+        assert "said bye" in d.logs()
+    finally:
+        w.close()
+        sched.close()
+
+
 def test_release_of_foreign_lease_is_refused(daemon):
     spec = Spec(daemon.socket, pages=(4096,))
     a, b = scheduler(daemon, spec), scheduler(daemon, spec)

@@ -24,6 +24,7 @@ def test_golden_bytes_of_core_messages():
         "00"  # ticket, appended in the same protocol version (the wire only grows)
         "00"  # deadline_ns, appended the same way
         "00")  # lease, appended the same way
+    assert m.encode(m.Bye(0)).hex() == "92a362796500"
 
 
 @pytest.mark.parametrize("msg", [
@@ -34,6 +35,7 @@ def test_golden_bytes_of_core_messages():
     m.Allocate(4, [b"a"], 2, 1000),
     m.Transfer(5, 1, m.Direction.STORE, pack_u32([1]), pack_u32([2]), 3),
     m.Release(6, 99), m.Abort(7, pack_u32([1])), m.Stats(8), m.Evict(9, -1), m.Ping(10),
+    m.Bye(11),
 ])
 def test_requests_round_trip(msg):
     assert m.decode_request(m.encode(msg)) == msg
