@@ -433,6 +433,7 @@ class Service:
         leases, pending = self.index.drop_owner(client.id)
         if client.tenant is not None:
             client.tenant.clients.discard(client.id)
+            client.tenant.idle_since = self.clock()
         if client.engine is not None:  # fails what is queued; closes after the copies
             client.engine.detach(client.id)
         log.info("client %d (pid %d) %s: released %d leases, %d pending blocks",

@@ -48,6 +48,7 @@ class Tenant:
     blocks: int = 0  # READY blocks held
     full_mask: int = 0  # all ranks stored
     clients: set[int] = field(default_factory=set)
+    idle_since: float = 0.0  # when its last client left (0: restored, never joined)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.tp_size > 64:
@@ -101,9 +102,9 @@ class Tenants:
             del self._by_digest[tenant.digest]
 
     def idle(self) -> list[Tenant]:
-        """Tenants without clients, those holding no block first, then oldest first."""
+        """Tenants without clients: those holding no block first, then the longest idle."""
         return sorted((t for t in self._by_id.values() if not t.clients),
-                      key=lambda t: (t.blocks > 0, t.id))
+                      key=lambda t: (t.blocks > 0, t.idle_since, t.id))
 
     def restore(self, tenant_id: int, digest: str, *, model: str, tp_size: int,
                 rank_page_bytes: tuple[int, ...]) -> Tenant:

@@ -213,3 +213,13 @@ def test_a_dropped_tenant_is_made_again_with_a_new_id_and_never_finds_the_old_bl
         for x in order:
             fresh.restore(x.id, x.digest, model=x.model, tp_size=1, rank_page_bytes=(BLOCK,))
         assert fresh.find("t").id == again.id
+
+
+def test_idle_tenants_give_way_empty_ones_first_then_the_longest_idle():
+    tenants = Tenants()
+    made = {}
+    for name, blocks, since in (("a", 3, 5.0), ("b", 2, 1.0), ("c", 0, 9.0), ("d", 0, 0.0)):
+        t = made[name] = tenants.create(name, model=name, tp_size=1, rank_page_bytes=(BLOCK,))
+        t.blocks, t.idle_since = blocks, since
+    made["d"].clients.add(1)  # in use: never given up
+    assert [t.digest for t in tenants.idle()] == ["c", "b", "a"]
