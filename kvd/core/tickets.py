@@ -17,6 +17,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from kvd.core.states import NO_SLOT
+
 T = TypeVar("T")
 
 
@@ -56,8 +58,11 @@ class Tickets(Generic[T]):
         key = (tenant, ticket)
         if key in self._held:
             raise TicketError(f"ticket {ticket} is in use; pick another")
-        self._held[key] = _Ticket(np.array(slots, dtype=np.uint32), max(1, ranks), deadline,
-                                  gens)
+        slots = np.array(slots, dtype=np.uint32)
+        if not (slots != NO_SLOT).any():  # nothing to store: no arrays kept (a client
+            # asking again and again at a full pool must not grow the daemon)
+            slots, gens = np.broadcast_to(np.uint32(NO_SLOT), slots.shape), None
+        self._held[key] = _Ticket(slots, max(1, ranks), deadline, gens)
         return [item for _, item in self._parked.pop(key, ())]
 
     def take(self, tenant: int, ticket: int) -> np.ndarray | None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
+from kvd.core.states import NO_SLOT
 from kvd.core.tickets import TicketError, Tickets
 
 
@@ -30,3 +33,25 @@ def test_early_transfers_wait_for_their_allocate_or_their_deadline():
     assert t.add(1, 7, np.array([1]), 1, deadline=20.0) == ["second"]
     assert t.parked == 0
     assert t.expire(now=21.0) == [] and len(t) == 0  # the ticket itself lapsed
+
+
+def test_tickets_with_nothing_to_store_keep_no_per_key_arrays():
+    """A client asking again and again at a full pool (every key NO_SLOT) must not grow
+    the daemon by 8 bytes per key and ticket until the tickets' deadline."""
+    t: Tickets[str] = Tickets()
+    n = 65_536
+    tracemalloc.start()
+    try:
+        for i in range(100):
+            t.add(1, i + 1, np.full(n, NO_SLOT, np.uint32), 2, 10.0, np.zeros(n, np.uint32))
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20  # kept as arrays: 100 x 512 KiB
+    slots, gens = t.claim(1, 5)
+    assert len(slots) == n and (slots == NO_SLOT).all() and gens is None
+    mixed = np.full(4, NO_SLOT, np.uint32)
+    mixed[1] = 7
+    t.add(1, 999, mixed, 1, 10.0, np.arange(4, dtype=np.uint32))
+    slots, gens = t.claim(1, 999)
+    assert slots.tolist() == mixed.tolist() and gens.tolist() == [0, 1, 2, 3]
