@@ -4,7 +4,11 @@ For each block size: a client process registers KV memory, a scheduler connectio
 allocates slots, the client stores every block (random engine block order, so nothing
 coalesces) and then loads them into another region. Throughput counts payload bytes
 from the first Transfer sent to the last Done received. The baseline is a single
-memcpy (numpy copyto) of the same number of bytes, measured in the same run.
+memcpy (numpy copyto) of the same number of bytes, measured in the same run; beside it,
+the ceiling under kvd: the daemon's own copy function (``vm_copy``, process_vm_readv)
+run by as many threads as the daemon has copy threads, on the same block size and
+order, with no daemon around it ("syscall"): store/syscall is what the daemon's
+machinery (its loop, index, policy and threads on the same cores) leaves of it.
 
     python scripts/bench_transfer.py [--total 256M] [--json]
 Targets: >= 0.70 of memcpy at >= 64 KiB blocks, >= 0.50 at 16 KiB.
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from _bench import daemon, emit  # noqa: E402
 from _chaos import Waiter  # noqa: E402
 
 from kvd.config import parse_size  # noqa: E402
+from kvd.engines.host import vm_copy  # noqa: E402
 from kvd_client import Connection, host_regions  # noqa: E402
 from kvd_proto import messages as m  # noqa: E402
 from kvd_proto.ids import pack_u32, unpack_u32  # noqa: E402
@@ -42,6 +49,50 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+HOLDER = ("import numpy as np, sys; a = np.ones(int(sys.argv[1]), np.uint8); "
+          "print(a.ctypes.data, flush=True); sys.stdin.read()")
+
+
+def syscall_gbps(nbytes: int, block: int, threads: int, repeat: int) -> float:
+    """The ceiling under kvd: ``threads`` threads reading ``block``-sized pieces, in
+    random order, out of another process with the daemon's own ``vm_copy`` (one
+    ``process_vm_readv`` per 4 MiB, as its copy threads do), with no daemon around it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(nbytes)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        far = int(holder.stdout.readline())
+        local = np.ones(nbytes, dtype=np.uint8)
+        n = nbytes // block
+        order = np.random.default_rng(3).permutation(n).astype(np.uint64)
+        per = max(1, (4 << 20) // block)
+        pieces = [(i, min(n, i + per)) for i in range(0, n, per)]
+        lengths = np.full(n, block, dtype=np.uint64)
+        pool = local.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(block)
+        remote = far + order * np.uint64(block)
+
+        def work(mine: list[tuple[int, int]]) -> None:
+            for lo, hi in mine:
+                vm_copy(m.Direction.STORE, holder.pid, pool[lo:hi], remote[lo:hi],
+                        lengths[lo:hi])
+
+        best = float("inf")
+        for _ in range(repeat):
+            workers = [threading.Thread(target=work, args=(pieces[t::threads],))
+                       for t in range(threads)]
+            t0 = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def timed_transfers(conn: Connection, waiter: Waiter, direction: m.Direction,
@@ -119,10 +170,13 @@ def main() -> int:
                 "--copy-threads", str(args.copy_threads)) as (sock, _):
         for block in SIZES:
             base = memcpy_gbps(total, 5)
+            ceiling = syscall_gbps(total, block, args.copy_threads, 3)
             r = run_size(sock, block, total, batch, args.repeat)
             r["memcpy_gbps"] = base
+            r["syscall_gbps"] = ceiling
             r["store_ratio"] = r["store_gbps"] / base
             r["load_ratio"] = r["load_gbps"] / base
+            r["store_of_syscall"] = r["store_gbps"] / ceiling
             target = 0.70 if block >= 64 << 10 else 0.50
             r["target"] = target
             r["ok"] = "yes" if min(r["store_ratio"], r["load_ratio"]) >= target else "NO"
@@ -130,7 +184,8 @@ def main() -> int:
     emit(rows, [("block_kib", "block KiB", "d"), ("blocks", "blocks", "d"),
                 ("memcpy_gbps", "memcpy GB/s", ".2f"), ("store_gbps", "store GB/s", ".2f"),
                 ("load_gbps", "load GB/s", ".2f"), ("store_ratio", "store/memcpy", ".2f"),
-                ("load_ratio", "load/memcpy", ".2f"), ("target", "target", ".2f"),
+                ("load_ratio", "load/memcpy", ".2f"), ("syscall_gbps", "syscall GB/s", ".2f"),
+                ("store_of_syscall", "store/syscall", ".2f"), ("target", "target", ".2f"),
                 ("ok", "met", "s")],
          args.json, {"copy_threads": args.copy_threads, "total_bytes": total})
     return 0
