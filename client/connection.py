@@ -220,6 +220,7 @@ class _IO:
         self.ping_sent = 0.0
         self.hello_sent = False
         self.hello_poll = 10  # twice the next wait for the Hello to go out, in ms
+        self.greeted = False  # the daemon answered this socket's Hello
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -267,7 +268,11 @@ class _IO:
         c = self.c
         if self.sock is not None:
             poller.unregister(self.sock)
-            self.sock.close(linger=0)
+            # Given up as lost, the daemon may only have been slow (paused): told Bye,
+            # it lets go of the old connection's leases now, not at client_timeout_ms.
+            said = self.greeted and self.raw_send(m.Bye(0))
+            self.sock.close(linger=100 if said else 0)  # zmq writes it in the background
+        self.greeted = False
         sock = c._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
@@ -402,6 +407,7 @@ class _IO:
             self.next_attempt = time.monotonic() + 5.0  # a refusal will not fix itself fast
             return
         if isinstance(reply, m.HelloOk):
+            self.greeted = True
             if c.instance and c.instance != reply.instance:
                 c.stats.reconnects += 1
             c.instance, c.daemon_pid = reply.instance, reply.daemon_pid

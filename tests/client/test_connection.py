@@ -132,6 +132,31 @@ def test_a_hung_daemon_costs_at_most_the_deadline(daemon):
         c.close()
 
 
+def test_a_connection_replaced_after_a_pause_lets_go_of_what_it_held(daemon_factory):
+    """The daemon was only paused: the connection declared lost says Bye on its way
+    out, so its PENDING slots come back at once, not after client_timeout_ms (a minute)."""
+    d = daemon_factory(start=False)
+    d.env = {"KVD_CLIENT_TIMEOUT_MS": "60000"}
+    d.start()
+    spec = Spec(d.socket, pages=(4096,))
+    c = Connection(d.socket, ping_interval=0.2, timeout=0.3,
+                   register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5)
+        assert c.request(m.Allocate(c.next_req(), [b"a", b"b", b"c"])).allocated == 3
+        assert d.status()["blocks"]["pending"] == 3
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: not c.up, 5)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        assert c.wait_up(10)
+        assert wait_for(lambda: d.status()["blocks"]["pending"] == 0, 20)
+        assert sum(cl["tenant"] is not None for cl in d.status()["clients"]) == 1
+    finally:
+        c.close()
+
+
 def test_lost_transfers_complete_with_an_error(daemon):
     """Every Transfer ends in exactly one Done, even when the daemon dies under it."""
     spec = Spec(daemon.socket, pages=(4096,))
