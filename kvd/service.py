@@ -277,18 +277,10 @@ class Service:
         PYTHONHASHSEED, new weights) must not be refused for good. Its blocks could
         only serve an engine of the same fingerprint, which then gets a new tenant; the
         tiers find theirs again by the fingerprint's digest."""
-        tenants = self.tenants
-        tenants.max_tenants = self.config.max_tenants
-        if len(tenants) < tenants.max_tenants:
-            return
-        for t in tenants.idle():
-            n = self.index.evict_tenant(t) if t.blocks else 0
-            if t.blocks == 0:  # else a block is still leased (a promotion in flight)
-                tenants.drop(t)
-                log.info("tenant %d (%s), without clients, dropped with %d blocks: the "
-                         "tenant limit (%d) is reached", t.id, t.model, n, tenants.max_tenants)
-                if len(tenants) < tenants.max_tenants:
-                    return
+        self.tenants.max_tenants = self.config.max_tenants
+        for t, n in self.tenants.make_room(self.index.evict_tenant):
+            log.info("tenant %d (%s), without clients, dropped with %d blocks: the tenant "
+                     "limit (%d) is reached", t.id, t.model, n, self.tenants.max_tenants)
 
     def _attach_memory(self, client: Client, tenant: Tenant, msg: m.Register) -> None:
         """Pick the data path from what the client registered and open its memory."""

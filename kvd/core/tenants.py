@@ -8,6 +8,7 @@ each other's blocks because every index key is prefixed with the tenant id.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -105,6 +106,22 @@ class Tenants:
         """Tenants without clients: those holding no block first, then the longest idle."""
         return sorted((t for t in self._by_id.values() if not t.clients),
                       key=lambda t: (t.blocks > 0, t.idle_since, t.id))
+
+    def make_room(self, evict: Callable[[Tenant], int]) -> list[tuple[Tenant, int]]:
+        """At the limit, drop idle tenants until one more fits; ``evict`` frees a
+        tenant's blocks (returns how many). A tenant with a block still held (a
+        promotion in flight) stays. Returns (tenant, blocks evicted) per tenant dropped."""
+        dropped: list[tuple[Tenant, int]] = []
+        if len(self._by_id) < self.max_tenants:
+            return dropped
+        for t in self.idle():
+            n = evict(t) if t.blocks else 0
+            if t.blocks == 0:
+                self.drop(t)
+                dropped.append((t, n))
+                if len(self._by_id) < self.max_tenants:
+                    break
+        return dropped
 
     def restore(self, tenant_id: int, digest: str, *, model: str, tp_size: int,
                 rank_page_bytes: tuple[int, ...]) -> Tenant:
