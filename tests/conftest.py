@@ -110,8 +110,10 @@ def make_daemon(tmp_path: Path, *args: str) -> Daemon:
 def daemon_factory(tmp_path: Path) -> Iterator:
     made: list[Daemon] = []
 
-    def factory(*args: str, start: bool = True) -> Daemon:
+    def factory(*args: str, start: bool = True, env: dict[str, str] | None = None) -> Daemon:
+        """``env``: settings (KVD_*) for this daemon, over the environment."""
         d = make_daemon(tmp_path, *args)
+        d.env = dict(env or {})
         made.append(d)
         return d.start() if start else d
 

@@ -135,9 +135,7 @@ def test_a_hung_daemon_costs_at_most_the_deadline(daemon):
 def test_a_connection_replaced_after_a_pause_lets_go_of_what_it_held(daemon_factory):
     """The daemon was only paused: the connection declared lost says Bye on its way
     out, so its PENDING slots come back at once, not after client_timeout_ms (a minute)."""
-    d = daemon_factory(start=False)
-    d.env = {"KVD_CLIENT_TIMEOUT_MS": "60000"}
-    d.start()
+    d = daemon_factory(env={"KVD_CLIENT_TIMEOUT_MS": "60000"})
     spec = Spec(d.socket, pages=(4096,))
     c = Connection(d.socket, ping_interval=0.2, timeout=0.3,
                    register=m.Register(0, fingerprint(spec), -1))

@@ -277,9 +277,7 @@ def test_dead_client_releases_leases_and_pending(daemon):
 def test_a_closed_connection_releases_its_leases_and_pending_at_once(daemon_factory):
     """Its process lives on (an engine shut down inside a longer-lived process): the
     Bye, not the silence timeout (a minute here), lets go of what it held."""
-    d = daemon_factory(start=False)
-    d.env = {"KVD_CLIENT_TIMEOUT_MS": "60000"}
-    d.start()
+    d = daemon_factory(env={"KVD_CLIENT_TIMEOUT_MS": "60000"})
     spec = Spec(d.socket, pages=(4096,))
     sched = scheduler(d, spec)
     w = Worker(spec)

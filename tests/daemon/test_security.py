@@ -138,9 +138,7 @@ def test_a_client_cannot_read_another_tenants_slot(daemon):
 
 
 def test_quota_on_pending_stores(daemon_factory):
-    d = daemon_factory(start=False)
-    d.env = {"KVD_MAX_PENDING_BLOCKS": "5", "KVD_MAX_LEASED_BLOCKS": "3"}
-    d.start()
+    d = daemon_factory(env={"KVD_MAX_PENDING_BLOCKS": "5", "KVD_MAX_LEASED_BLOCKS": "3"})
     spec = Spec(d.socket, pages=(4096,))
     s = scheduler(d, spec)
     try:
@@ -159,9 +157,7 @@ def test_quota_on_pending_stores(daemon_factory):
 def test_oversized_messages_get_a_typed_error(daemon_factory):
     import zmq
 
-    d = daemon_factory(start=False)
-    d.env = {"KVD_MAX_MESSAGE_BYTES": "65536"}
-    d.start()
+    d = daemon_factory(env={"KVD_MAX_MESSAGE_BYTES": "65536"})
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
@@ -179,9 +175,7 @@ def test_a_hung_client_is_dropped_after_its_heartbeats_stop(daemon_factory):
     import signal
     import time
 
-    d = daemon_factory(start=False)
-    d.env = {"KVD_CLIENT_TIMEOUT_MS": "1500"}
-    d.start()
+    d = daemon_factory(env={"KVD_CLIENT_TIMEOUT_MS": "1500"})
     spec = Spec(d.socket, pages=(4096,))
     s = scheduler(d, spec)
     w = Worker(spec)

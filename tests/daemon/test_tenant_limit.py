@@ -42,9 +42,7 @@ def register(conn: Connection, model: str) -> m.Reply:
 
 
 def test_a_tenant_without_clients_makes_room_for_a_new_one(daemon_factory):
-    d = daemon_factory(start=False)
-    d.env = {"KVD_MAX_TENANTS": "2"}
-    d.start()
+    d = daemon_factory(env={"KVD_MAX_TENANTS": "2"})
     sched_a, ks_a = stored(d, "a", 4)  # in use: its scheduler stays
     sched_b, _ = stored(d, "b", 3)
     sched_b.close()  # b: nobody left

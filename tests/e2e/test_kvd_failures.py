@@ -76,9 +76,7 @@ def test_daemon_killed_and_restarted_while_serving(tiny_model, expected, daemon,
 def test_corrupt_slot_is_recomputed(tiny_model, expected, daemon_factory, start_engine,
                                     tmp_path):
     """A slot whose bytes no longer match their checksum fails its load in the daemon."""
-    daemon = daemon_factory(start=False)
-    daemon.env = {"KVD_VERIFY_ON_LOAD": "1"}
-    daemon.start()
+    daemon = daemon_factory(env={"KVD_VERIFY_ON_LOAD": "1"})
     stored, corrupted = tmp_path / "stored", tmp_path / "corrupted"
     engine = start_engine({
         "model": str(tiny_model), "kv_transfer_config": kvd_transfer_config(daemon.socket),
