@@ -191,6 +191,7 @@ class Service:
         lifecycle decides which keys are live; parts that cache a value refresh here)."""
         self.config = config
         self.transfers.config = config
+        self.tenants.max_tenants = config.max_tenants
 
     # ------------------------------------------------------------ handshake
     @property
@@ -277,7 +278,6 @@ class Service:
         PYTHONHASHSEED, new weights) must not be refused for good. Its blocks could
         only serve an engine of the same fingerprint, which then gets a new tenant; the
         tiers find theirs again by the fingerprint's digest."""
-        self.tenants.max_tenants = self.config.max_tenants
         for t, n in self.tenants.make_room(self.index.evict_tenant):
             log.info("tenant %d (%s), without clients, dropped with %d blocks: the tenant "
                      "limit (%d) is reached", t.id, t.model, n, self.tenants.max_tenants)

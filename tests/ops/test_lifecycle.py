@@ -85,6 +85,19 @@ def service():
     pool.close(unlink=True)
 
 
+def test_a_reload_applies_the_tenant_limit_to_the_next_register(service):
+    ident, me = b"c1", Peer(os.getpid(), os.getuid(), os.getgid())
+    assert isinstance(service.handle(ident, me, m.Hello(1, m.PROTOCOL_VERSION, 1)), m.HelloOk)
+    assert isinstance(service.handle(ident, me, m.Register(2, fingerprint(Spec("", model="x")), -1)),
+                      m.Registered)
+    service.reconfigure(Config(pool_size=8 << 20, extent_size=1 << 20,
+                               pool_path=service.pool.path, max_tenants=1))
+    other = b"c2"
+    assert isinstance(service.handle(other, me, m.Hello(3, m.PROTOCOL_VERSION, 1)), m.HelloOk)
+    refused = service.handle(other, me, m.Register(4, fingerprint(Spec("", model="y")), -1))
+    assert isinstance(refused, m.Error) and "tenant limit (1)" in refused.message
+
+
 def test_stopping_refuses_new_work_with_busy(service):
     ident, me = b"c1", Peer(os.getpid(), os.getuid(), os.getgid())
     assert isinstance(service.handle(ident, me, m.Hello(1, m.PROTOCOL_VERSION, 1)), m.HelloOk)
