@@ -18,15 +18,7 @@ from kvd_client import Connection, RemoteError, Timeout, Unavailable, host_regio
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32, unpack_u32
 from tests.daemon.workers import Spec, fingerprint
-
-
-def wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
+from tests.waiting import wait_for
 
 
 def test_absent_daemon_fails_fast(tmp_path):

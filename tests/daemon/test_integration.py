@@ -12,6 +12,7 @@ from kvd_client import Connection, RemoteError, host_regions
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
 from tests.daemon.workers import Spec, Worker, fingerprint
+from tests.waiting import wait_for
 
 
 def scheduler(daemon, spec: Spec) -> Connection:
@@ -259,13 +260,8 @@ def test_dead_client_releases_leases_and_pending(daemon):
         st = daemon.status()
         assert st["blocks"]["pending"] == 3
         dying.kill()
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            st = daemon.status()
-            if st["blocks"]["pending"] == 0:
-                break
-            time.sleep(0.05)
-        assert st["blocks"]["pending"] == 0
+        assert wait_for(lambda: daemon.status()["blocks"]["pending"] == 0, 2.0)
+        st = daemon.status()
         assert st["blocks"]["pinned"] == 4  # only the living client's lease remains
         sched.request(m.Release(sched.next_req(), lease.lease))
         assert daemon.status()["blocks"]["pinned"] == 0
@@ -290,12 +286,8 @@ def test_a_closed_connection_releases_its_leases_and_pending_at_once(daemon_fact
         assert (st["blocks"]["pinned"], st["blocks"]["pending"]) == (4, 3)
         clients = len(st["clients"])
         closing.close()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            st = d.status()
-            if len(st["clients"]) < clients:
-                break
-            time.sleep(0.05)
+        assert wait_for(lambda: len(d.status()["clients"]) < clients, 20)
+        st = d.status()
         assert (st["blocks"]["pinned"], st["blocks"]["pending"]) == (0, 0)
         assert len(st["clients"]) == clients - 1
         assert "said bye" in d.logs()

@@ -5,14 +5,13 @@ blocks. A real daemon, real client processes."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from kvd_client import Connection, RemoteError
 from kvd_proto import messages as m
 
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
 from tests.daemon.workers import Spec, Worker, fingerprint
+from tests.waiting import wait_for
 
 
 def stored(d, model: str, n: int) -> tuple[Connection, list[bytes]]:
@@ -30,13 +29,6 @@ def clients_of(d, model: str) -> int:
     return sum(t["clients"] for t in d.status()["tenants"] if t["model"] == model)
 
 
-def until(check, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def register(conn: Connection, model: str) -> m.Reply:
     return conn.request(m.Register(conn.next_req(), fingerprint(Spec("", model=model)), -1))
 
@@ -46,7 +38,7 @@ def test_a_tenant_without_clients_makes_room_for_a_new_one(daemon_factory):
     sched_a, ks_a = stored(d, "a", 4)  # in use: its scheduler stays
     sched_b, _ = stored(d, "b", 3)
     sched_b.close()  # b: nobody left
-    until(lambda: clients_of(d, "b") == 0)
+    assert wait_for(lambda: clients_of(d, "b") == 0, 20)
     sched_c = scheduler(d, Spec(d.socket, model="c"))  # b gives up its place and blocks
     st = d.status()
     assert sorted(t["model"] for t in st["tenants"]) == ["a", "c"]
@@ -60,7 +52,7 @@ def test_a_tenant_without_clients_makes_room_for_a_new_one(daemon_factory):
     assert refused.value.code == m.Code.BAD_REQUEST
     assert lookup(sched_a, ks_a).hits == 4
     sched_c.close()  # c leaves: d gets in on the same connection
-    until(lambda: clients_of(d, "c") == 0)
+    assert wait_for(lambda: clients_of(d, "c") == 0, 20)
     assert isinstance(register(other, "d"), m.Registered)
     assert sorted(t["model"] for t in d.status()["tenants"]) == ["a", "d"]
     assert lookup(sched_a, ks_a).hits == 4
