@@ -100,8 +100,10 @@ def own_slots(index: Index, tenant: Tenant, packed: bytes | np.ndarray,
     slots = ids.astype(np.int64)
     if slots.size and int(slots.max()) >= index.allocator.max_slots:
         raise BadIds(f"slot id {int(slots.max())} out of range")
-    if state == PENDING and np.unique(slots).size != slots.size:
-        raise BadIds("a slot is named twice in one store")
+    if state == PENDING and slots.size > 1:
+        ordered = np.sort(slots)  # a quarter of np.unique's cost on a Transfer's ids
+        if (ordered[1:] == ordered[:-1]).any():
+            raise BadIds("a slot is named twice in one store")
     bad = (index.tenant_of[slots] != tenant.id) | (index.state[slots] != state)
     if bad.any():
         s = int(slots[np.argmax(bad)])
