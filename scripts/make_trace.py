@@ -11,7 +11,9 @@ many questions over a while, popular ones again much later. ``agent``: agent loo
 whose tool outputs grow the context step after step, several loops interleaved.
 ``bursty``: chat sessions that send a burst of turns, go idle for a long while, and
 come back. ``convo``: conversations as in real chat logs (no shared prompt,
-long answers, heavy-tailed waits between turns). ``mix``: all of these interleaved in time, each in its own id space (as
+long answers, heavy-tailed waits between turns). ``paced``: conversations that come
+back after long waits, each at its user's own pace (a next wait is like the last), many
+of them a single turn: few references hit even an unlimited cache. ``mix``: all of these interleaved in time, each in its own id space (as
 separate tenants would be). Block ids are prefix hashes (equal ids = equal prefix),
 512-token blocks, as in the Mooncake release; ``timestamp`` is in ms. The policies are
 judged on traces they were not tuned on; these are such shapes.
@@ -20,6 +22,7 @@ judged on traces they were not tuned on; these are such shapes.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import random
 
@@ -177,9 +180,37 @@ def convo(n: int, rng: random.Random) -> list[list[int]]:
     return out
 
 
+def paced(n: int, rng: random.Random) -> list[list[int]]:
+    """Conversations whose users each keep their own pace: the wait before a next turn
+    is the user's typical wait (log-normal over users, from seconds to hours: a median
+    of ~150 requests, often thousands) times a small jitter, so a conversation that
+    came back quickly tends to again. Most open with a short prompt, some paste a
+    document; 45 % stop after any turn. Reuse distances are mostly longer than a small
+    cache, so recency alone finds little, while an unlimited cache hits about half."""
+    ch = _Chains()
+    convs: list[list[int]] = []
+    pace: list[float] = []
+    due: list[tuple[int, int]] = []  # heap of (request number of the next turn, conv)
+    out = []
+    for r in range(n):
+        if due and due[0][0] <= r:
+            _, c = heapq.heappop(due)
+        else:
+            first = rng.randint(2, 12) if rng.random() < 0.7 else rng.randint(12, 80)
+            convs.append(ch.extend([], [("open", r, i) for i in range(first)]))
+            pace.append(rng.lognormvariate(5.0, 1.2))
+            c = len(convs) - 1
+        turn = ch.extend(convs[c], [("q", r, i) for i in range(rng.randint(1, 6))])
+        convs[c] = ch.extend(turn, [("a", r, i) for i in range(rng.randint(0, 2))])
+        out.append(turn)
+        if rng.random() < 0.55:
+            heapq.heappush(due, (r + 1 + int(pace[c] * rng.lognormvariate(0, 0.5)), c))
+    return out
+
+
 def mix(n: int, rng: random.Random) -> tuple[list[list[int]], list[int]]:
     """Each shape's own requests, interleaved at random, ids kept apart per shape."""
-    parts = [chat, sysprompt, docqa, agent, bursty, convo]
+    parts = [chat, sysprompt, docqa, agent, bursty, convo]  # not paced: mix stays as it was
     rows: list[tuple[float, list[int]]] = []
     base = 0
     for k, shape in enumerate(parts):
@@ -197,7 +228,7 @@ def mix(n: int, rng: random.Random) -> tuple[list[list[int]], list[int]]:
 
 
 SHAPES = {"chat": chat, "convo": convo, "sysprompt": sysprompt, "docqa": docqa, "agent": agent,
-          "bursty": bursty, "mix": mix}
+          "bursty": bursty, "paced": paced, "mix": mix}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,78 @@
+"""The generated trace shapes (scripts/make_trace.py) the policy tables are measured on:
+what a shape claims must hold, or the tables judge the policies on something else."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from make_trace import SHAPES, main
+
+from kvd.sim import Trace, load_trace, replay
+
+
+def apart(a: int, b: int) -> float:
+    return max(a, b) / min(a, b)  # waits are >= 1
+
+
+def _rows(shape: str, n: int, seed: int) -> list[list[int]]:
+    got = SHAPES[shape](n, random.Random(seed))
+    return got[0] if isinstance(got, tuple) else got
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_ids_are_prefix_hashes(shape: str) -> None:
+    """Equal ids are equal prefixes: each id always follows the same id. Then an
+    unlimited cache hits every reference but the first of each id, as the prefix rule
+    would not allow if an id could follow different prefixes."""
+    rows = _rows(shape, 600, 7)
+    parent: dict[int, int] = {}
+    for r in rows:
+        for before, h in pairwise([-1, *r]):
+            assert parent.setdefault(h, before) == before, f"id {h} follows two prefixes"
+    refs = sum(map(len, rows))
+    distinct = len({h for r in rows for h in r})
+    trace_rows = [[h.to_bytes(8, "little") for h in r] for r in rows]
+    unlimited = replay(Trace(trace_rows, rows, []), distinct + 1, "lru")
+    assert unlimited.hit_blocks == refs - distinct
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_seed_gives_the_same_trace(shape: str) -> None:
+    assert _rows(shape, 300, 3) == _rows(shape, 300, 3)
+    assert _rows(shape, 300, 3) != _rows(shape, 300, 4)
+
+
+def test_paced_conversations_keep_their_pace() -> None:
+    """A conversation's waits between turns are alike (a user's own pace), and they
+    spread over orders of magnitude across conversations."""
+    rows = _rows("paced", 6000, 1)
+    first = {}  # a conversation is named by its first block
+    seen: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        seen.setdefault(first.setdefault(r[0], r[0]), []).append(i)
+    waits = [[b - a for a, b in pairwise(t)] for t in seen.values() if len(t) >= 3]
+    assert len(waits) > 100
+    # How far apart two waits are, as a factor: two of one conversation, or the first
+    # waits of two conversations.
+    same = statistics.median(apart(w[0], w[1]) for w in waits)
+    other = statistics.median(apart(a[0], b[0]) for a, b in pairwise(waits))
+    assert same * 1.5 < other
+    firsts = sorted(w[0] for w in waits)
+    assert firsts[len(firsts) * 9 // 10] > 10 * firsts[len(firsts) // 10]
+
+def test_written_file_is_a_mooncake_trace(tmp_path: Path) -> None:
+    out = tmp_path / "paced.jsonl"
+    assert main(["paced", str(out), "--requests", "200", "--seed", "2"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 200
+    assert all(x["input_length"] == 512 * len(x["hash_ids"]) for x in lines)
+    assert load_trace(str(out)).block_refs == sum(len(x["hash_ids"]) for x in lines)
