@@ -81,7 +81,10 @@ class Server:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A client is its connection: Hello checked that peer's credentials, and a
+        # second connection claiming the same routing id must not inherit them (with
+        # handover it would take over the client, its memory and leases, unchecked).
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         # The hard cap drops the connection; below it, oversize gets a typed error.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
         self.sock.setsockopt(zmq.SNDHWM, 0)

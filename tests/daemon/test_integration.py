@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -312,3 +313,34 @@ def test_release_of_foreign_lease_is_refused(daemon):
         w.close()
         a.close()
         b.close()
+
+
+def test_a_second_connection_cannot_take_over_a_clients_identity(daemon):
+    """A client is its connection: a peer that claims a live client's routing id is
+    not handed that client (its registration, memory and leases), it is ignored."""
+    import zmq
+
+    ctx = zmq.Context()
+
+    def dealer(routing_id: bytes) -> zmq.Socket:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
+        s.connect(f"ipc://{daemon.socket}")
+        return s
+
+    def ask(s: zmq.Socket, msg: m.Request, timeout_ms: int = 5000) -> m.Reply | None:
+        s.send(m.encode(msg))
+        return m.decode_reply(s.recv()) if s.poll(timeout_ms) else None
+
+    owner = dealer(b"engine-7")
+    hello = ask(owner, m.Hello(1, m.PROTOCOL_VERSION, os.getpid(), "owner"))
+    assert isinstance(hello, m.HelloOk)
+    thief = dealer(b"engine-7")
+    # Not answered as the owner (nor as anyone): its messages go nowhere.
+    assert ask(thief, m.Ping(2), timeout_ms=1000) is None
+    reply = ask(owner, m.Ping(3))
+    assert isinstance(reply, m.Ok) and reply.req == 3  # the owner still has its client
+    for s in (owner, thief):
+        s.close()
+    ctx.term()
