@@ -34,6 +34,7 @@ from kvd.events import (AllBlocksCleared, BatchBuilder, KVEventBatch, TenantInfo
 log = logging.getLogger("kvd.publisher")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAYS_PER_PASS = 8  # then the loop serves other work before the next requests
+MAX_SUBSCRIPTION = 4096  # bytes of an (un)subscription message; topics are short
 
 
 @dataclass
@@ -60,6 +61,9 @@ class Publisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
         self.pub.setsockopt(zmq.XPUB_NODROP, 1)
+        # A subscription is a topic prefix: a peer that sends more is dropped, before
+        # its message (and the prefix it would keep in the subscription trie) is held.
+        self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)
         self.endpoint = self._bind(self.pub, endpoint)
         self.replay: zmq.Socket | None = None
         self.replay_endpoint = ""

@@ -4,12 +4,15 @@ framing and layout, sequence numbers, replay, flush, eviction and a stuck subscr
 from __future__ import annotations
 
 import hashlib
+import multiprocessing as mp
+import os
 import threading
 import time
 
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvd.cli import ctl
 from kvd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode
@@ -422,3 +425,40 @@ def test_kvdctl_events_follows_the_stream(events_daemon, capsys):
 def test_kvdctl_events_when_off(daemon, capsys):
     assert ctl.main(["--socket", daemon.socket, "events"]) == 1
     assert "events_endpoint" in capsys.readouterr().err
+
+
+def _oversized_subscriber(endpoint: str, out) -> None:
+    """In a forked child: subscribe with a megabyte, report whether kvd hung up. It
+    leaves with ``os._exit``: libzmq frees a subscriber's subscription trie
+    recursively, and a megabyte-deep one overflows the stack (a client-side bug)."""
+    ctx = zmq.Context()
+    hostile = ctx.socket(zmq.XSUB)
+    monitor = hostile.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    hostile.connect(endpoint)
+    hostile.send(b"\x01kv@" + b"x" * (1 << 20))
+    dropped = bool(monitor.poll(5000)) and \
+        recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    out.send(dropped)
+    os._exit(0)
+
+
+def test_an_oversized_subscription_drops_its_subscriber_not_the_stream(events_daemon):
+    """A subscription is a topic prefix; a peer sending a megabyte for one is cut off
+    (nothing of it is kept), and the stream goes on for everyone else."""
+    pub, _ = endpoints(events_daemon)
+    sub = Sub(pub)
+    eng = Engine(events_daemon.socket)
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_oversized_subscriber, args=(pub, child))
+    try:
+        p.start()
+        assert parent.poll(20), "the subscriber reported nothing"
+        assert parent.recv() is True, "kvd kept a megabyte subscription"
+        eng.store([key(41)])
+        topic, _, _ = sub.recv()
+        assert topic.startswith(b"kv@")
+    finally:
+        p.join(10)
+        eng.close()
+        sub.close()
