@@ -3,7 +3,8 @@
 Users write ``"kv_connector": "KvdConnector", "kv_connector_module_path":
 "kvd_client.vllm"``. Before vLLM's constructor runs, the connector names kvd's spec in
 the extra config (the same dict vLLM's spec factory reads, one copy per process) and
-adds what the spec cannot see on its own (hash algorithm, model dtype). It switches
+adds what the spec cannot see on its own (hash algorithm, model dtype, the model's
+revision). It switches
 ``kv_load_failure_policy`` to "recompute" when the user left vLLM's default "fail" (the
 scheduler reads it right after building the connector) and reports the worker's failed
 loads through ``get_block_ids_with_load_errors``, so vLLM recomputes those tokens.
@@ -47,6 +48,8 @@ def prepare_config(vllm_config: object) -> None:
                      vllm_config.cache_config.prefix_caching_hash_algo)  # type: ignore[attr-defined]
     extra.setdefault("kvd_model_dtype",
                      str(vllm_config.model_config.dtype).removeprefix("torch."))  # type: ignore[attr-defined]
+    extra.setdefault("kvd_model_revision",
+                     getattr(vllm_config.model_config, "revision", None))  # type: ignore[attr-defined]
     keep = extra.get("keep_load_failure_policy") in (True, "true", "1", 1)
     if ktc.kv_load_failure_policy == "fail" and not keep:
         ktc.kv_load_failure_policy = "recompute"

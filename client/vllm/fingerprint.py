@@ -120,7 +120,9 @@ def rank_pages(facts: EngineFacts) -> list[int]:
     return [facts.block_bytes // n] * n
 
 
-def make_fingerprint(facts: EngineFacts, root: bytes) -> Fingerprint:
+def make_fingerprint(facts: EngineFacts, root: bytes, model_version: str = "") -> Fingerprint:
+    """``model_version`` names the weights (``weights.weights_stamp``): engines of one
+    model name with other weights are other tenants."""
     if facts.pp_size != 1:
         raise LayoutError("kvd does not support pipeline parallelism yet (pp_size > 1)")
     if facts.num_groups != 1:
@@ -138,7 +140,7 @@ def make_fingerprint(facts: EngineFacts, root: bytes) -> Fingerprint:
         hash_algo=facts.hash_algo,
         root_hash=root,
         pp_rank=0,
-        extra="vllm-offloading/1",
+        extra="vllm-offloading/1" + (f";weights={model_version}" if model_version else ""),
     )
 
 

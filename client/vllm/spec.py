@@ -21,6 +21,7 @@ from kvd_client.vllm.fingerprint import (
 )
 from kvd_client.vllm.options import KvdOptions, KvdSlots, default_socket
 from kvd_client.vllm.version import check_vllm_version
+from kvd_client.vllm.weights import weights_stamp
 from kvd_proto.messages import Fingerprint
 
 __all__ = ["KvdOffloadingSpec", "KvdOptions", "KvdSlots", "default_socket"]
@@ -40,10 +41,16 @@ class KvdOffloadingSpec(OffloadingSpec):
 
     @property
     def fingerprint(self) -> Fingerprint:
-        """Built on first use: vLLM's hash helpers are imported lazily."""
+        """Built on first use: vLLM's hash helpers are imported lazily, and the weights
+        are on disk by then on both sides (the manager and the worker are asked for
+        after the model is loaded; a worker's spec is built before a download ends)."""
         if self._fingerprint is None:
             root = compute_root_hash(self.facts.hash_algo, self.facts.engine_id)
-            self._fingerprint = make_fingerprint(self.facts, root)
+            version = self.extra_config.get("kvd_model_version")
+            if version is None:
+                version = weights_stamp(self.facts.model,
+                                        self.extra_config.get("kvd_model_revision"))
+            self._fingerprint = make_fingerprint(self.facts, root, str(version))
         return self._fingerprint
 
     def warn_if_private_root(self) -> None:

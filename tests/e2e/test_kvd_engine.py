@@ -6,6 +6,8 @@ runs must be identical, and vLLM must report the loaded prefix (num_cached_token
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from _model import long_prompt
 from conftest import kvd_transfer_config
@@ -77,6 +79,27 @@ def test_other_model_gets_no_hits(tiny_model, other_model, daemon, run_engine):
     status = daemon.status()
     assert status["counters"]["hit_blocks"] == hits_before
     assert len(status["tenants"]) == 2
+
+
+def test_new_weights_at_the_same_path_get_no_hits(tiny_model, other_model, daemon,
+                                                   run_engine, tmp_path):
+    """A model updated in place (other weights at the same path, e.g. a new revision
+    copied over the old one) is another tenant: its first run after the update never
+    loads the old weights' KV."""
+    served = tmp_path / "served-model"
+    shutil.copytree(tiny_model, served)
+    ktc = kvd_transfer_config(daemon.socket)
+    run_engine({"model": str(served), "kv_transfer_config": ktc, "steps": [GEN]})
+    shutil.rmtree(served)
+    shutil.copytree(other_model, served)  # the update
+    plain = run_engine({"model": str(other_model), "steps": [GEN]}).generations[0]
+    hits_before = daemon.status()["counters"]["hit_blocks"]
+    (updated,) = run_engine({"model": str(served), "kv_transfer_config": ktc,
+                             "steps": [GEN]}).generations
+    assert updated["num_cached_tokens"] == 0
+    assert updated["token_ids"] == plain["token_ids"]
+    assert daemon.status()["counters"]["hit_blocks"] == hits_before
+    assert len(daemon.status()["tenants"]) == 2
 
 
 def test_standard_offloading_connector_path(tiny_model, expected, daemon, run_engine):
