@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from kvd_client.vllm.weights import SAMPLE_BYTES, weights_stamp
 
 from kvd.core.tenants import fingerprint_digest
-from kvd_client.vllm.weights import SAMPLE_BYTES, weights_stamp
 
 
 def _model(path: Path, shard: bytes = b"\x01" * 300_000, config: str = '{"a": 1}') -> Path:
@@ -56,6 +56,7 @@ def test_the_stamp_makes_another_tenant(tmp_path: Path) -> None:
     """Through the spec vLLM builds: the fingerprint carries the stamp (or the user's
     ``kvd_model_version``), so the daemon keys another tenant by it."""
     pytest.importorskip("vllm")
+    from kvd_client.vllm.spec import KvdOffloadingSpec
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -63,8 +64,6 @@ def test_the_stamp_makes_another_tenant(tmp_path: Path) -> None:
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
-
-    from kvd_client.vllm.spec import KvdOffloadingSpec
 
     path = _model(tmp_path / "m")
 
