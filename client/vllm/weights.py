@@ -4,7 +4,8 @@ vLLM keys blocks by token hashes, and the fingerprint names the model by the nam
 path vLLM was given. A model updated in place (new weights at the same path, or a hub
 model re-downloaded at a new revision) would then find the old weights' KV in kvd after
 an engine restart, and serve it. The stamp tells the two apart: a hash of the model
-directory's configuration files whole and of samples of its weight files (their sizes
+directory's configuration files whole and of samples of its weight files (or of the one
+file a GGUF model is; their sizes
 and a few KiB at evenly spaced offsets), so it is cheap (reads at most a few MiB, from
 the page cache the model load just filled) and the same on every node holding the same
 files, so engines of a fleet still share through the remote tier.
@@ -45,17 +46,21 @@ def model_dir(model: str, revision: str | None = None) -> str | None:
 def weights_stamp(model: str, revision: str | None = None) -> str:
     """16 hex digits naming the weights of ``model`` (see the module docstring); "" when
     its files are not found."""
-    path = model_dir(model, revision)
-    if path is None:
-        return hashlib.sha256(f"revision={revision}".encode()).hexdigest()[:16] \
-            if revision else ""
     h = hashlib.sha256(f"revision={revision or ''}\0".encode())
-    try:
-        names = sorted(os.listdir(path))
-    except OSError as e:
-        log.warning("kvd: cannot list the model directory %s (%s): no weights stamp", path, e)
-        return ""
-    weights = [n for n in names if n.endswith(WEIGHT_SUFFIXES)][:MAX_FILES]
+    if os.path.isfile(model):  # one file holds it all (GGUF)
+        path, names, weights = os.path.dirname(model), [], [os.path.basename(model)]
+    else:
+        found = model_dir(model, revision)
+        if found is None:
+            return h.hexdigest()[:16] if revision else ""
+        path = found
+        try:
+            names = sorted(os.listdir(path))
+        except OSError as e:
+            log.warning("kvd: cannot list the model directory %s (%s): no weights stamp",
+                        path, e)
+            return ""
+        weights = [n for n in names if n.endswith(WEIGHT_SUFFIXES)][:MAX_FILES]
     for name in [n for n in CONFIG_FILES if n in names] + weights:
         try:
             with open(os.path.join(path, name), "rb") as f:

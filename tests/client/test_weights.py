@@ -44,6 +44,18 @@ def test_new_weights_or_config_at_the_same_path_give_another_stamp(tmp_path: Pat
     assert weights_stamp(str(path), revision="v2") != weights_stamp(str(path))
 
 
+def test_a_single_file_model_is_stamped_by_its_content(tmp_path: Path) -> None:
+    one = tmp_path / "a" / "model.gguf"
+    one.parent.mkdir()
+    one.write_bytes(b"GGUF" + b"\x01" * 100_000)
+    other = tmp_path / "b" / "model.gguf"
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF" + b"\x02" * 100_000)
+    assert weights_stamp(str(one)) not in ("", weights_stamp(str(other)))
+    shutil.copy(one, other)
+    assert weights_stamp(str(other)) == weights_stamp(str(one))
+
+
 def test_a_model_without_local_files_has_no_stamp_but_its_revision(tmp_path: Path,
                                                                     monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
