@@ -4,11 +4,11 @@ vLLM keys blocks by token hashes, and the fingerprint names the model by the nam
 path vLLM was given. A model updated in place (new weights at the same path, or a hub
 model re-downloaded at a new revision) would then find the old weights' KV in kvd after
 an engine restart, and serve it. The stamp tells the two apart: a hash of the model
-directory's configuration files whole and of samples of its weight files (or of the one
-file a GGUF model is; their sizes
-and a few KiB at evenly spaced offsets), so it is cheap (reads at most a few MiB, from
-the page cache the model load just filled) and the same on every node holding the same
-files, so engines of a fleet still share through the remote tier.
+directory's configuration files whole and of samples of its weight files (their sizes
+and a few KiB at evenly spaced offsets; a GGUF model is its one file). It is cheap
+(reads at most a few MiB, from the page cache the model load just filled) and the same
+on every node holding the same files, so engines of a fleet still share through the
+remote tier.
 
 It is a sample, not a checksum: weights that differ only outside the sampled bytes
 (a fine-tune of a few small tensors) get the same stamp. Set ``kvd_model_version`` to
