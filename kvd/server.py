@@ -36,6 +36,9 @@ from kvd_proto import messages as m
 
 log = logging.getLogger("kvd.server")
 TICK_S = 0.25
+UNKNOWN_PEER = Peer(0, -1, -1)  # what Peer.of gives when the transport does not say
+# Plain ints: pyzmq's enum members cost an object per operation on the hot path.
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class Server:
@@ -172,9 +175,9 @@ class Server:
 
     def _drain(self) -> None:
         sock = self.sock
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while sock.get(_EVENTS) & _POLLIN:
             try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(flags=_NOBLOCK, copy=False)
             except zmq.Again:
                 break
             identity = frames[0].bytes
@@ -210,7 +213,9 @@ class Server:
         try:
             if isinstance(msg, m.Transfer):  # the data path: straight to its owner
                 return service.transfers.handle(identity, msg)
-            return service.handle(identity, Peer.of(frames[1]), msg)
+            # Credentials matter at Hello only: a client is its connection afterwards.
+            peer = Peer.of(frames[1]) if isinstance(msg, m.Hello) else UNKNOWN_PEER
+            return service.handle(identity, peer, msg)
         except Exception as e:  # noqa: BLE001 - no input may crash the daemon
             log.exception("internal error on %s", type(msg).__name__)
             return service.error(getattr(msg, "req", 0), m.Code.INTERNAL,
