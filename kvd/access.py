@@ -33,7 +33,10 @@ class Peer:
             _, uid, gid, pid = frame.get("Peer-Address").rsplit(":", 3)
             return cls(int(pid), int(uid), int(gid))
         except (zmq.ZMQError, ValueError, AttributeError):
-            return cls(0, -1, -1)
+            return UNKNOWN_PEER
+
+
+UNKNOWN_PEER = Peer(0, -1, -1)  # the transport did not say
 
 
 def _gid(name: str | int) -> int:

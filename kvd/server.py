@@ -20,7 +20,7 @@ import time
 import msgspec
 import zmq
 
-from kvd.access import Peer
+from kvd.access import UNKNOWN_PEER, Peer
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
 from kvd.engines.cuda import ClientCopyEngine, gpu_path
@@ -36,7 +36,6 @@ from kvd_proto import messages as m
 
 log = logging.getLogger("kvd.server")
 TICK_S = 0.25
-UNKNOWN_PEER = Peer(0, -1, -1)  # what Peer.of gives when the transport does not say
 # Plain ints: pyzmq's enum members cost an object per operation on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
@@ -188,7 +187,7 @@ class Server:
                 reply = self.service.error(0, m.Code.INTERNAL, f"internal error: {e}")
             if reply is not None:
                 try:
-                    sock.send_multipart([identity, m.encode(reply)], flags=zmq.NOBLOCK)
+                    sock.send_multipart([identity, m.encode(reply)], flags=_NOBLOCK)
                 except zmq.ZMQError:
                     pass
         try:

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from make_trace import SHAPES, main
 
-from kvd.sim import Trace, load_trace, replay
+from kvd.sim import load_trace, make_trace, replay
 
 
 def apart(a: int, b: int) -> float:
@@ -40,8 +40,7 @@ def test_ids_are_prefix_hashes(shape: str) -> None:
             assert parent.setdefault(h, before) == before, f"id {h} follows two prefixes"
     refs = sum(map(len, rows))
     distinct = len({h for r in rows for h in r})
-    trace_rows = [[h.to_bytes(8, "little") for h in r] for r in rows]
-    unlimited = replay(Trace(trace_rows, rows, []), distinct + 1, "lru")
+    unlimited = replay(make_trace(rows), distinct + 1, "lru")
     assert unlimited.hit_blocks == refs - distinct
 
 
@@ -55,10 +54,9 @@ def test_paced_conversations_keep_their_pace() -> None:
     """A conversation's waits between turns are alike (a user's own pace), and they
     spread over orders of magnitude across conversations."""
     rows = _rows("paced", 6000, 1)
-    first = {}  # a conversation is named by its first block
-    seen: dict[int, list[int]] = {}
+    seen: dict[int, list[int]] = {}  # a conversation is named by its first block
     for i, r in enumerate(rows):
-        seen.setdefault(first.setdefault(r[0], r[0]), []).append(i)
+        seen.setdefault(r[0], []).append(i)
     waits = [[b - a for a, b in pairwise(t)] for t in seen.values() if len(t) >= 3]
     assert len(waits) > 100
     # How far apart two waits are, as a factor: two of one conversation, or the first
@@ -68,6 +66,7 @@ def test_paced_conversations_keep_their_pace() -> None:
     assert same * 1.5 < other
     firsts = sorted(w[0] for w in waits)
     assert firsts[len(firsts) * 9 // 10] > 10 * firsts[len(firsts) // 10]
+
 
 def test_written_file_is_a_mooncake_trace(tmp_path: Path) -> None:
     out = tmp_path / "paced.jsonl"
