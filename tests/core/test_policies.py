@@ -6,7 +6,7 @@ import importlib
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvd.core.allocator import Allocator
@@ -293,3 +293,38 @@ def test_chain_survives_runs_longer_than_its_averaging_window():
     for run in range(4):
         p.insert_many([(run, i) for i in range(10)], 0, n)
     assert p._mean_len > 0 and len(p) == 40
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(10, 60), warm=st.lists(st.tuples(st.integers(1, 8),
+                                                               st.integers(0, 5)),
+                                                     min_size=1, max_size=40),
+       n=st.integers(1, 30))
+def test_s3fifo_batch_eviction_decides_as_one_eviction_per_insert(
+        capacity: int, warm: list, n: int) -> None:
+    """The index evicts a request's worth of blocks before their inserts (they become
+    READY later). S3-FIFO must choose those victims as its one-at-a-time algorithm
+    would, an eviction before each insert: its small queue keeps its share, rather
+    than the main queue paying for the whole batch."""
+    one, batch = S3FIFOPolicy(capacity), S3FIFOPolicy(capacity)
+    fresh = iter(range(10**6))
+
+    def put(policy: S3FIFOPolicy, key: bytes) -> list[bytes]:
+        gone = policy.evict(1) if len(policy) >= capacity else []
+        policy.insert(key)
+        return gone
+
+    for size, hits in warm:  # the same history for both
+        keys = [next(fresh).to_bytes(8, "little") for _ in range(size)]
+        for key in keys:
+            put(one, key), put(batch, key)
+        live = list(one.freq)
+        for i in range(hits):
+            key = live[(i * 7919) % len(live)]
+            one.touch([key]), batch.touch([key])
+    assert list(one.victims()) == list(batch.victims())
+    new = [next(fresh).to_bytes(8, "little") for _ in range(n)]
+    one_by_one = [k for key in new for k in put(one, key)]
+    assume(not set(one_by_one) & set(new))  # a batch cannot evict its own keys
+    need = len(batch) + n - capacity
+    assert (batch.evict(need) if need > 0 else []) == one_by_one

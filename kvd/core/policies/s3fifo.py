@@ -7,6 +7,14 @@ CLOCK (a reused key goes round again with its counter decremented). Keys evicted
 from the small FIFO are remembered in a ghost FIFO; a ghost key that is stored again
 goes straight to the main FIFO.
 
+The index evicts a request's worth of blocks before their keys come in (they are
+inserted when their stores end), where the paper evicts one object before each insert.
+So ``victims()`` counts the free room and the victims already offered as keys of the
+small FIFO (that is where the incoming keys go): a batch evicts what one eviction per
+insert would, and the small FIFO keeps doing the filtering. Counted without them, a
+batch took one victim from the small FIFO and the rest from the main one (on the shared
+trace at 5,000 blocks: 0.264 of references hit instead of 0.288).
+
 ``victims()`` must not change state, yet the promotions and CLOCK rotations are what
 makes each eviction O(1) amortized. So every mutating call ends by ``_settle``, doing
 that bookkeeping for real until the next victim sits at the end of its queue;
@@ -134,9 +142,12 @@ class S3FIFOPolicy(EvictionPolicy):
         requeued: deque[tuple[Key, int]] = deque()  # scratch tail of the main FIFO
         push, pop = requeued.append, requeued.popleft
         main_orig = main_len
+        # As one eviction before each insert: the keys that will fill the free room and
+        # the victims' places enter the small FIFO first, so they count as in it.
+        taken = max(0, self.capacity - len(freq))
         while small_len or main_len:
             # _from_small, inlined: this loop is the policy's hot path
-            if small_len and (small_len >= small_cap or not main_len):
+            if small_len and (small_len + taken >= small_cap or not main_len):
                 key = next_small()
                 small_len -= 1
                 if freq[key] >= 1:
@@ -155,6 +166,7 @@ class S3FIFOPolicy(EvictionPolicy):
                     push((key, f - 1))
                     main_len += 1
                     continue
+            taken += 1
             yield key
 
     def __len__(self) -> int:
