@@ -45,6 +45,15 @@ MAX_KEY = 1024  # bytes of one block key (vLLM's are 36)
 Send = Callable[[bytes, m.Reply], None]
 
 
+
+def new_index(config: Config) -> Index:
+    """The pool's index and policy. The policy is built for ``max_slots`` (blocks of
+    ``min_slot_bytes``) and sized to the model's blocks once they are known."""
+    alloc = Allocator(config.pool_size, config.extent_size, config.min_slot_bytes)
+    policy = make_policy(config.policy or DEFAULT_POLICY, alloc.max_slots)
+    return Index(alloc, policy, record=config.persist or bool(config.events_endpoint),
+                 first_lease=1 + (int.from_bytes(os.urandom(6), "little") << 7))
+
 class Service:
     def __init__(self, config: Config, pool: Pool, engines: dict[str, TransferEngine],
                  send: Send, clock: Callable[[], float] = time.monotonic) -> None:
@@ -55,11 +64,8 @@ class Service:
         self.clock = clock
         self.instance = uuid.uuid4().hex
         self.started = time.time()
-        alloc = Allocator(config.pool_size, config.extent_size, config.min_slot_bytes)
-        policy = make_policy(config.policy or DEFAULT_POLICY, alloc.max_slots)
-        self.policy_name = policy.name
-        self.index = Index(alloc, policy, record=config.persist or bool(config.events_endpoint),
-                           first_lease=1 + (int.from_bytes(os.urandom(6), "little") << 7))
+        self.index = new_index(config)
+        self.policy_name = self.index.policy.name
         self.tenants = Tenants(config.max_tenants)
         self.persist: Persistence | None = None
         if config.persist:

@@ -71,9 +71,10 @@ def status_text(st: dict[str, Any]) -> str:
     used = pool["used_bytes"] / max(1, pool["capacity_bytes"])
     hit = c["hit_blocks"] / max(1, c["lookup_keys"])
     errors = ", ".join(f"{k} {v}" for k, v in sorted(c.get("errors_by_code", {}).items()))
+    sized = f" for {blocks['capacity']} blocks" if "capacity" in blocks else ""
     lines = [
         f"kvd pid {st['pid']}  {st.get('phase', 'serving')}  up {duration(st['uptime_s'])}  "
-        f"policy {st['policy']}  protocol {st['version']}",
+        f"policy {st['policy']}{sized}  protocol {st['version']}",
         f"pool     {size(pool['used_bytes'])} of {size(pool['capacity_bytes'])} ({used:.1%})  "
         f"{pool['path']}  {pinning(st)}",
         f"blocks   ready {blocks['ready']}  pending {blocks['pending']}  "

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvd.core.policies.base import EvictionPolicy
 
 
 class AllocatorError(ValueError):
@@ -50,6 +54,7 @@ class Allocator:
         self._classes: dict[int, _SizeClass] = {}
         self.used_bytes = 0
         self.used_slots = 0
+        self._fitted = 0  # size classes when ``fit`` last ran
 
     # ------------------------------------------------------------ classes
     def check_slot_bytes(self, slot_bytes: int) -> None:
@@ -84,6 +89,28 @@ class Allocator:
 
     def total_slots(self, slot_bytes: int) -> int:
         return self.n_extents * self._class(slot_bytes).per_extent
+
+    def blocks_when_full(self) -> int:
+        """How many blocks the pool holds when full, for a policy's capacity (its queue,
+        ghost and clock sizes): exact with one size class; with several, as if they
+        shared the extents equally. ``max_slots`` (counted in ``min_slot_bytes``) until a
+        size class is known."""
+        if not self._classes:
+            return self.max_slots
+        per = sum(sc.per_extent for sc in self._classes.values()) / len(self._classes)
+        return max(1, int(self.n_extents * per))
+
+    def fit(self, policy: EvictionPolicy, bound: int) -> None:
+        """Size ``policy`` to ``blocks_when_full`` (at most ``bound``: the capacity it was
+        built with) once a new size class appears. Built before any block size is
+        known, with ``max_slots``, a policy would size its ghosts, clocks and miniature
+        caches hundreds of times larger than the cache."""
+        if self._fitted == len(self._classes):
+            return
+        self._fitted = len(self._classes)
+        want = min(bound, self.blocks_when_full())
+        if want != policy.capacity:
+            policy.set_capacity(want)
 
     # ------------------------------------------------------------ alloc / free
     def alloc(self, slot_bytes: int) -> int | None:

@@ -119,6 +119,7 @@ class Index:
         self.demoted: list[tuple[list[Tenant], list[bytes], list[int], list[int],
                                  list[list[int] | None]]] | None = None
         self.evictor = Evictor(self)  # what leaves the cache, and when a slot is free
+        self._capacity_bound = self.policy.capacity  # see Allocator.fit
 
     # ------------------------------------------------------------ queries
     @property
@@ -258,6 +259,7 @@ class Index:
             first: dict[bytes, int] = {}
             new = [i for i in new if first.setdefault(keys[i], i) == i]
         need = len(new) - self.allocator.free_slots(tenant.slot_bytes)
+        self.allocator.fit(self.policy, self._capacity_bound)
         evicted: list[bytes] = []
         total = 0
         if need > 0:
@@ -410,6 +412,7 @@ class Index:
         self._depth[slot] = depth
         self.checksums[slot] = list(checksums)
         tenant.blocks += 1
+        self.allocator.fit(self.policy, self._capacity_bound)
         self.policy.insert(scoped, depth)
         return True
 

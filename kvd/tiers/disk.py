@@ -126,6 +126,7 @@ class DiskTier(Tier):
         try:
             self.allocator = Allocator(size, extent_size, min_slot_bytes)
             self.policy = make_policy(policy or DEFAULT_POLICY, self.allocator.max_slots)
+            self._bound = self.policy.capacity  # see Allocator.fit
         except ValueError as e:  # AllocatorError included
             raise ConfigError(f"disk tier at {path}: {e}") from None
         self.geometry = DiskHeader(size, extent_size, min_slot_bytes)
@@ -198,6 +199,7 @@ class DiskTier(Tier):
                 ok = False
             if ok:
                 self._entries[key] = rec
+                self.allocator.fit(self.policy, self._bound)
                 self.policy.insert(key, rec.depth)
         if len(self._entries) < len(live):
             log.warning("disk tier %s: %d journaled blocks do not fit the geometry",
@@ -313,6 +315,7 @@ class DiskTier(Tier):
             dropped: list[int] = []
             for slot_bytes, items in staged.items():
                 items = items[:self.allocator.total_slots(slot_bytes)]
+                self.allocator.fit(self.policy, self._bound)
                 dropped += self._make_room(slot_bytes, len(items))
                 got = self.allocator.alloc_many(slot_bytes, len(items))
                 placed += items[:len(got)]

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.core.allocator import Allocator, AllocatorError
+from kvd.core.policies import make_policy
 
 EXTENT = 64 * 1024
 
@@ -88,3 +89,30 @@ def test_alloc_many_and_free_many_equal_the_single_calls(ops):
         assert (a.used_bytes, a.used_slots) == (b.used_bytes, b.used_slots)
         assert a.free_slots(size) == b.free_slots(size)
         assert a.free_slots(4096) + a.used_bytes // 4096 <= a.total_slots(4096)
+
+
+def test_blocks_when_full_counts_the_block_sizes_in_use() -> None:
+    a = Allocator(8 << 20, 1 << 20, 4096)
+    assert a.blocks_when_full() == 8 * 256  # no block size known: 4 KiB slots
+    a.alloc_many(64 << 10, 1)
+    assert a.blocks_when_full() == 8 * 16  # exact with one size
+    a.free_slots(256 << 10)  # a second size: as if the extents were shared equally
+    assert a.blocks_when_full() == 8 * (16 + 4) // 2
+
+
+def test_fit_sizes_a_policy_once_per_new_block_size_never_above_its_bound() -> None:
+    a = Allocator(8 << 20, 1 << 20, 4096)
+    policy = make_policy("arc", a.max_slots)
+    a.fit(policy, a.max_slots)
+    assert policy.capacity == a.max_slots
+    a.free_slots(64 << 10)
+    a.fit(policy, a.max_slots)
+    assert policy.capacity == 8 * 16
+    policy.set_capacity(7)
+    a.fit(policy, a.max_slots)  # no new size: left alone
+    assert policy.capacity == 7
+    small = make_policy("lru", 50)  # built smaller than the pool (the simulator)
+    b = Allocator(8 << 20, 1 << 20, 4096)
+    b.free_slots(64 << 10)
+    b.fit(small, 50)
+    assert small.capacity == 50

@@ -100,6 +100,21 @@ def test_round_trip_two_sizes_two_namespaces(tier):
     assert st_["bytes"] == 13 * 16384 + 5 * 40960  # 12 KiB + header -> 16 KiB slots
 
 
+def test_the_policy_is_sized_to_the_blocks_the_file_holds(tmp_path):
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    try:
+        assert t.policy.capacity == SIZE // 4096  # no block size known yet
+        t.put(NS, blocks(ks("s", 4)))
+        assert t.policy.capacity == 4 * (EXT // 16384)
+    finally:
+        t.close()
+    again = DiskTier(str(tmp_path), SIZE, extent_size=EXT)  # sized by its recovery too
+    try:
+        assert again.status()["blocks"] == 4 and again.policy.capacity == 4 * (EXT // 16384)
+    finally:
+        again.close()
+
+
 def test_contains_and_get_into_end_at_the_first_miss_or_wrong_size(tier):
     keys = ks("k", 6)
     tier.put(NS, blocks(keys[:2] + keys[3:]))
