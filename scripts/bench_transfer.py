@@ -7,8 +7,11 @@ from the first Transfer sent to the last Done received. The baseline is a single
 memcpy (numpy copyto) of the same number of bytes, measured in the same run; beside it,
 the ceiling under kvd: the daemon's own copy function (``vm_copy``, process_vm_readv)
 run by as many threads as the daemon has copy threads, on the same block size and
-order, with no daemon around it ("syscall"): store/syscall is what the daemon's
-machinery (its loop, index, policy and threads on the same cores) leaves of it.
+order, with no daemon around it ("syscall", into private memory as memcpy's): store /
+syscall is what the daemon's machinery (its loop, index, policy and threads on the same
+cores) leaves of it. "pool syscall store / load" run the same copies with this side's
+memory a real ``kvd.pool.Pool`` (a shared mapping of a /dev/shm file, as the daemon's
+pool), in both directions: the ceiling with the daemon's own kind of memory.
 
     python scripts/bench_transfer.py [--total 256M] [--json]
 Targets: >= 0.70 of memcpy at >= 64 KiB blocks, >= 0.50 at 16 KiB.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import subprocess
 import sys
 import threading
@@ -32,6 +36,7 @@ from _chaos import Waiter  # noqa: E402
 
 from kvd.config import parse_size  # noqa: E402
 from kvd.engines.host import vm_copy  # noqa: E402
+from kvd.pool import Pool  # noqa: E402
 from kvd_client import Connection, host_regions  # noqa: E402
 from kvd_proto import messages as m  # noqa: E402
 from kvd_proto.ids import pack_u32, unpack_u32  # noqa: E402
@@ -55,29 +60,32 @@ HOLDER = ("import numpy as np, sys; a = np.ones(int(sys.argv[1]), np.uint8); "
           "print(a.ctypes.data, flush=True); sys.stdin.read()")
 
 
-def syscall_gbps(nbytes: int, block: int, threads: int, repeat: int) -> float:
-    """The ceiling under kvd: ``threads`` threads reading ``block``-sized pieces, in
-    random order, out of another process with the daemon's own ``vm_copy`` (one
-    ``process_vm_readv`` per 4 MiB, as its copy threads do), with no daemon around it."""
+def syscall_gbps(nbytes: int, block: int, threads: int, repeat: int,
+                 direction: m.Direction, pool: bool) -> float:
+    """The ceiling under kvd: ``threads`` threads copying ``block``-sized pieces, in
+    random order, out of (store) or into (load) another process with the daemon's own
+    ``vm_copy`` (one system call per 4 MiB, as its copy threads do), with no daemon
+    around it. ``pool``: this side's memory is a ``kvd.pool.Pool`` (a shared mapping of
+    a /dev/shm file, as the daemon's); else private anonymous memory, as memcpy's."""
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(nbytes)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mapping = Pool(f"/dev/shm/kvd-bench-ceiling-{os.getpid()}.pool", nbytes) if pool else None
     try:
         assert holder.stdout is not None
         far = int(holder.stdout.readline())
-        local = np.ones(nbytes, dtype=np.uint8)
+        local = mapping.array if mapping is not None else np.ones(nbytes, dtype=np.uint8)
         n = nbytes // block
         order = np.random.default_rng(3).permutation(n).astype(np.uint64)
         per = max(1, (4 << 20) // block)
         pieces = [(i, min(n, i + per)) for i in range(0, n, per)]
         lengths = np.full(n, block, dtype=np.uint64)
-        pool = local.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(block)
+        base = local.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(block)
         remote = far + order * np.uint64(block)
 
         def work(mine: list[tuple[int, int]]) -> None:
             for lo, hi in mine:
-                vm_copy(m.Direction.STORE, holder.pid, pool[lo:hi], remote[lo:hi],
-                        lengths[lo:hi])
+                vm_copy(direction, holder.pid, base[lo:hi], remote[lo:hi], lengths[lo:hi])
 
         best = float("inf")
         for _ in range(repeat):
@@ -93,6 +101,9 @@ def syscall_gbps(nbytes: int, block: int, threads: int, repeat: int) -> float:
     finally:
         holder.kill()
         holder.wait()
+        if mapping is not None:
+            del local
+            mapping.close(unlink=True)
 
 
 def timed_transfers(conn: Connection, waiter: Waiter, direction: m.Direction,
@@ -170,13 +181,22 @@ def main() -> int:
                 "--copy-threads", str(args.copy_threads)) as (sock, _):
         for block in SIZES:
             base = memcpy_gbps(total, 5)
-            ceiling = syscall_gbps(total, block, args.copy_threads, 3)
+            ceiling = syscall_gbps(total, block, args.copy_threads, 3, m.Direction.STORE,
+                                   pool=False)
+            store_ceiling = syscall_gbps(total, block, args.copy_threads, 3,
+                                         m.Direction.STORE, pool=True)
+            load_ceiling = syscall_gbps(total, block, args.copy_threads, 3,
+                                        m.Direction.LOAD, pool=True)
             r = run_size(sock, block, total, batch, args.repeat)
             r["memcpy_gbps"] = base
             r["syscall_gbps"] = ceiling
+            r["pool_store_gbps"] = store_ceiling
+            r["pool_load_gbps"] = load_ceiling
             r["store_ratio"] = r["store_gbps"] / base
             r["load_ratio"] = r["load_gbps"] / base
             r["store_of_syscall"] = r["store_gbps"] / ceiling
+            r["store_of_pool"] = r["store_gbps"] / store_ceiling
+            r["load_of_pool"] = r["load_gbps"] / load_ceiling
             target = 0.70 if block >= 64 << 10 else 0.50
             r["target"] = target
             r["ok"] = "yes" if min(r["store_ratio"], r["load_ratio"]) >= target else "NO"
@@ -185,7 +205,11 @@ def main() -> int:
                 ("memcpy_gbps", "memcpy GB/s", ".2f"), ("store_gbps", "store GB/s", ".2f"),
                 ("load_gbps", "load GB/s", ".2f"), ("store_ratio", "store/memcpy", ".2f"),
                 ("load_ratio", "load/memcpy", ".2f"), ("syscall_gbps", "syscall GB/s", ".2f"),
-                ("store_of_syscall", "store/syscall", ".2f"), ("target", "target", ".2f"),
+                ("store_of_syscall", "store/syscall", ".2f"),
+                ("pool_store_gbps", "pool syscall store", ".2f"),
+                ("pool_load_gbps", "pool syscall load", ".2f"),
+                ("store_of_pool", "store/pool sc", ".2f"), ("load_of_pool", "load/pool sc", ".2f"),
+                ("target", "target", ".2f"),
                 ("ok", "met", "s")],
          args.json, {"copy_threads": args.copy_threads, "total_bytes": total})
     return 0
