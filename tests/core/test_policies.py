@@ -14,6 +14,7 @@ from kvd.core.index import NO_SLOT, PENDING, READY, Index
 from kvd.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, policy_names
 from kvd.core.policies.arc import ARCPolicy
 from kvd.core.policies.base import _REGISTRY
+from kvd.core.policies.chain import ChainPolicy
 from kvd.core.policies.s3fifo import MAX_FREQ, S3FIFOPolicy
 from kvd.core.tenants import Tenants
 
@@ -328,3 +329,25 @@ def test_s3fifo_batch_eviction_decides_as_one_eviction_per_insert(
     assume(not set(one_by_one) & set(new))  # a batch cannot evict its own keys
     need = len(batch) + n - capacity
     assert (batch.evict(need) if need > 0 else []) == one_by_one
+
+
+def test_chain_keeps_a_request_stored_in_parts_one_run() -> None:
+    """vLLM's chunked prefill stores a long prompt in parts, one per step, with other
+    requests' stores between them; each part names the request's length. The parts
+    must make the run a whole store makes: same kind, same priority."""
+    def keys(tag: str, n: int) -> list[bytes]:
+        return [f"{tag}{i}".encode() for i in range(n)]
+
+    hit, doc, other = keys("h", 4), keys("d", 8), keys("o", 6)
+    whole, parts = ChainPolicy(100), ChainPolicy(100)
+    for p in (whole, parts):
+        p.insert_many(hit, 0, 4)
+        p.touch(hit, 0)  # a hit, then its chain goes on: the next turn
+    whole.insert_many(doc, 4, 12)
+    whole.insert_many(other, 0, 6)
+    parts.insert_many(doc[:3], 4, 12)
+    parts.insert_many(other, 0, 6)  # another request's store in between
+    parts.insert_many(doc[3:6], 7, 12)
+    parts.insert_many(doc[6:], 10, 12)
+    assert parts._kind == whole._kind
+    assert list(parts.victims()) == list(whole.victims())

@@ -26,8 +26,11 @@ steps, so the power settles where both kinds of victims come back at the same ra
 
 A run of blocks (one request's stores, or its hit blocks) shares one priority, and
 ties go to the deepest block, so a chain loses its tail before its head (a hit needs
-every earlier block: a lost head wastes the whole chain). The heap holds one entry per
-run (``RunHeap``): O(log n) per request plus O(1) per block; reads no clock.
+every earlier block: a lost head wastes the whole chain). A request stored in parts
+(vLLM's chunked prefill stores each step's blocks; every part names the request's
+length) is one run, also when other requests' stores come between its parts. The heap
+holds one entry per run (``RunHeap``): O(log n) per request plus O(1) per block; reads
+no clock.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ WINDOW = 20_000  # blocks per kind over which the reuse odds adapt
 MEAN_WINDOW = 4096  # blocks stored over which the mean chain length adapts
 STEP = 4.0  # a ghost return moves the length factor's power by STEP / capacity
 FRESH, NEXT, HIT = 0, 1, 2  # kinds: new chain, stored right after a hit on it, hit
+PARTS = 4096  # requests partly stored whose next part is remembered (a bound, not a knob)
 
 
 class ChainPolicy(EvictionPolicy):
@@ -63,7 +67,11 @@ class ChainPolicy(EvictionPolicy):
         self._kind: dict[Key, int] = {}
         self._ghost: OrderedDict[Key, int] = OrderedDict()  # evicted key -> its kind
         self._floor = 0.0  # GreedyDual's L, net of age
-        self._age = 0.0  # the time term, in units of value
+        # The time term, in units of value: ``_aged`` up to the last change of the tick,
+        # then ``_ticks`` stores and hits of ``_tick`` each (counted, not summed: a run
+        # stored at once and key by key must age alike, to the last bit).
+        self._aged = 0.0
+        self._ticks = 0
         self._tick = 1.0 / (self.horizon * self.capacity)  # age added per store or hit
         self._entered = [1.0, 1.0, 1.0]  # blocks that became each kind (decayed)
         self._again = [0.5, 0.5, 0.5]  # ... and were then hit or stored again
@@ -76,6 +84,20 @@ class ChainPolicy(EvictionPolicy):
         self._run_len = -1
         self._run_kind = FRESH
         self._run_base = self._run_prio = 0.0
+        # Requests stored in parts (vLLM's chunked prefill stores each step's blocks):
+        # (depth the next part starts at, length) -> the run's kind, base and priority,
+        # so a part stored after other requests' stores continues its own run.
+        self._parts: OrderedDict[tuple[int, int], tuple[int, float, float, int]] = \
+            OrderedDict()
+        # Equal priorities: the older run leaves first, and in a run the deepest block;
+        # a tie is (run number << 32) - depth, so a run stored key by key or in parts
+        # sorts among other runs as it does stored at once.
+        self._runs = 0
+        self._run_tie = 0
+
+    @property
+    def _age(self) -> float:
+        return self._aged + self._ticks * self._tick
 
     # ------------------------------------------------------------ learning
     def _count(self, kind: int, n: int) -> None:
@@ -106,15 +128,28 @@ class ChainPolicy(EvictionPolicy):
         n = len(keys)
         if not n:
             return
+        parts = self._parts
         if depth != self._next_depth or length != self._run_len:
-            self._start_run(depth, length)
+            resumed = parts.pop((depth, length), None)
+            if resumed is None:
+                self._start_run(depth, length)
+            else:  # the next part of a request stored in parts, others' in between
+                self._run_kind, self._run_base, self._run_prio, self._run_tie = resumed
+                self._run_len = length
+        else:
+            parts.pop((depth, length), None)
         self._next_depth = depth + n
-        self._age += n * self._tick
+        if depth + n < length:  # more of this request to come (chunked prefill)
+            parts[depth + n, length] = (self._run_kind, self._run_base, self._run_prio,
+                                        self._run_tie)
+            if len(parts) > PARTS:
+                parts.popitem(last=False)
+        self._ticks += n
         ghost, kind = self._ghost, self._kind
         if not ghost or not any(map(ghost.__contains__, keys)):
             self._count(self._run_kind, n)
             kind.update(dict.fromkeys(keys, self._run_kind))
-            self._heap.push_run(keys, self._run_prio, -depth - n, new=True)
+            self._heap.push_run(keys, self._run_prio, self._run_tie - depth - n, new=True)
             return
         # Stored again soon after its eviction: it was reused, as a hit is.
         returned = list(map(ghost.__contains__, keys))
@@ -133,13 +168,14 @@ class ChainPolicy(EvictionPolicy):
         # one entry for the same reason.
         prio = self._run_base + self.reused
         if prio == self._run_prio:
-            self._heap.push_run(keys, prio, -depth - n, new=True)
+            self._heap.push_run(keys, prio, self._run_tie - depth - n, new=True)
             return
         deepest = n - 1 - returned[::-1].index(True)
-        self._heap.push_run(back, prio, -depth - deepest - 1, new=True)
+        self._heap.push_run(back, prio, self._run_tie - depth - deepest - 1, new=True)
         if rest:
             deepest = n - 1 - returned[::-1].index(False)
-            self._heap.push_run(rest, self._run_prio, -depth - deepest - 1, new=True)
+            self._heap.push_run(rest, self._run_prio, self._run_tie - depth - deepest - 1,
+                                new=True)
 
     def _start_run(self, depth: int, length: int) -> None:
         """A run of stores shares one priority, so its blocks leave deepest first; all
@@ -151,6 +187,8 @@ class ChainPolicy(EvictionPolicy):
         # A run that starts where the last hit run ended continues that chain.
         self._run_kind = NEXT if depth == self._hit_end and depth > 0 else FRESH
         self._run_len = length
+        self._runs += 1
+        self._run_tie = self._runs << 32
         factor = 1.0 if length <= 0 else min(1.0, length / (self.long * max(self._mean_len,
                                                                           1.0)))
         factor **= self._strength
@@ -161,7 +199,7 @@ class ChainPolicy(EvictionPolicy):
         n = len(keys)
         if not n:
             return
-        self._age += n * self._tick
+        self._ticks += n
         kind, again = self._kind, self._again
         kinds = list(map(kind.__getitem__, keys))
         hit = kinds.count(HIT)  # counted in C; kinds are the three small ints
@@ -175,7 +213,9 @@ class ChainPolicy(EvictionPolicy):
         self._hit_end = depth + n
         self._next_depth = -1
         # One priority for the run; ties go deepest first, so the head goes last.
-        self._heap.push_run(keys, self._floor + self._age + self.reused, -depth - n)
+        self._runs += 1
+        self._heap.push_run(keys, self._floor + self._age + self.reused,
+                            (self._runs << 32) - depth - n)
 
     def remove(self, key: Key) -> None:
         self._heap.discard(key)
@@ -221,6 +261,7 @@ class ChainPolicy(EvictionPolicy):
 
     def set_capacity(self, capacity: int) -> None:
         super().set_capacity(capacity)
+        self._aged, self._ticks = self._age, 0
         self._tick = 1.0 / (self.horizon * self.capacity)
         while len(self._ghost) > self.ghost * self.capacity:
             self._ghost.popitem(last=False)
