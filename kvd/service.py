@@ -384,6 +384,7 @@ class Service:
             raise
         # Only the first `room` keys may get slots (keys already stored take none).
         res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
+                                  length=msg.length,
                                   now=now, pending_s=pending_s)
         # What this evicted is copied down (and journaled) before a Transfer that
         # overtook the Allocate starts writing into the slots: add_ticket runs it now.

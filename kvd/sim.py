@@ -199,11 +199,14 @@ def next_uses(trace: Trace) -> list[int]:
 
 def replay(trace: Trace, capacity: int, policy: str, eager: bool = False,
            count_from: int = 0,
-           progress: Callable[[int, int], None] | None = None) -> SimResult:
+           progress: Callable[[int, int], None] | None = None,
+           chunk: int = 0) -> SimResult:
     """Replay ``trace`` through a fresh Index of ``capacity`` blocks. ``eager`` tells
     the policy about each lookup's hits at once (the index defers them; a test checks
     that this changes nothing). Requests before ``count_from`` only warm the cache:
-    the figures count the rest. ``progress(done, total)`` is called now and then."""
+    the figures count the rest. ``progress(done, total)`` is called now and then.
+    ``chunk``: store each request's missed blocks in parts of that many blocks, as
+    vLLM's chunked prefill does (each part one Allocate naming the request's length)."""
     tenants = Tenants()
     tenant = tenants.get_or_create("sim", model="sim", tp_size=1, rank_page_bytes=(SLOT_BYTES,))
     pol: EvictionPolicy
@@ -239,11 +242,13 @@ def replay(trace: Trace, capacity: int, policy: str, eager: bool = False,
             flush()
         if hits == len(keys):
             continue
-        slots = allocate(tenant, keys[hits:], depth=hits).slots
-        if NO_SLOT in slots:
-            slots = [s for s in slots if s != NO_SLOT]
-        if slots:
-            store_done(np.array(slots, dtype=np.int64), 0)
+        step = chunk or len(keys)
+        for lo in range(hits, len(keys), step):
+            slots = allocate(tenant, keys[lo:lo + step], depth=lo, length=len(keys)).slots
+            if NO_SLOT in slots:
+                slots = [s for s in slots if s != NO_SLOT]
+            if slots:
+                store_done(np.array(slots, dtype=np.int64), 0)
     seconds = time.perf_counter() - t0
     if progress is not None:
         progress(total, total)

@@ -185,6 +185,9 @@ class Allocate(_Msg, tag="allocate"):
     depth: int = 0
     pending_ms: int = 60_000
     ticket: int = 0
+    # Blocks in the whole request when known (0: depth + len(keys)). vLLM stores a long
+    # prompt in parts, one per step; the policy keeps them one run of that length.
+    length: int = 0
 
 
 class Allocated(_Msg, tag="allocated"):

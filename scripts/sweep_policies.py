@@ -1,7 +1,7 @@
 """Sweep every policy (and Belady) over capacities on one or more traces.
 
     .venv/bin/python scripts/sweep_policies.py [--trace PATH ...] [--capacity 1000,...]
-        [--policy lru,arc,...] [--second-half] [--jobs N] [--json | --markdown]
+        [--policy lru,arc,...] [--second-half] [--chunk N] [--jobs N] [--json | --markdown]
         [--plot docs/policy_sweep.png]
 
 Per trace: hit fraction and stored blocks (write traffic) of each policy at each
@@ -30,13 +30,14 @@ CAPACITIES = "1000,2000,5000,10000,20000,40000,80000"
 _traces: dict[str, object] = {}
 
 
-def _one(job: tuple[str, str, int, bool]) -> tuple[str, SimResult]:
-    path, policy, capacity, second = job
+def _one(job: tuple[str, str, int, bool, int]) -> tuple[str, SimResult]:
+    path, policy, capacity, second, chunk = job
     if path not in _traces:  # one load per worker process
         _traces[path] = load_trace(path)
     trace = _traces[path]
     return path, replay(trace, capacity, policy,  # type: ignore[arg-type]
-                        count_from=trace.split() if second else 0)  # type: ignore[attr-defined]
+                        count_from=trace.split() if second else 0,  # type: ignore[attr-defined]
+                        chunk=chunk)
 
 
 def name(path: str) -> str:
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", default=CAPACITIES)
     ap.add_argument("--policy", action="append")
     ap.add_argument("--second-half", action="store_true")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="store each request in parts of this many blocks, as vLLM's "
+                         "chunked prefill does (default: at once)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true", help="README tables")
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     caps = [int(c) for c in args.capacity.split(",")]
     pols = parse_policies(args.policy)
     paths = args.trace or [TRACE]
-    jobs = [(t, p, c, args.second_half) for t in paths for p in pols for c in caps]
+    jobs = [(t, p, c, args.second_half, args.chunk) for t in paths for p in pols for c in caps]
     groups: dict[str, list[SimResult]] = {name(t): [] for t in paths}
     with Pool(max(1, args.jobs)) as pool:
         for path, r in pool.imap(_one, jobs):

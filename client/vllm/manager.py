@@ -214,6 +214,17 @@ class KvdManager(OffloadingManager):
         pos = ctx.get_offload_key_position(key)  # end token of the key's block
         return max(0, pos // self.tokens_per_key - 1) if pos else 0
 
+    def _length(self, ctx: ReqContext) -> int:
+        """Blocks of the request so far (0: unknown). vLLM's scheduler records the end
+        token of every key of the request in order, not only of those stored this step:
+        a prompt stored in parts (chunked prefill) names its whole length in each part.
+        The last recorded is the furthest (O(1); the daemon never takes less than the
+        part's own end)."""
+        positions = getattr(ctx, "_offload_key_positions", None)
+        if not isinstance(positions, dict) or not positions:
+            return 0
+        return int(next(reversed(positions.values()))) // self.tokens_per_key
+
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.boundary.guard("on_schedule_end", lambda: None, self._schedule_end)
 
@@ -282,7 +293,8 @@ class KvdManager(OffloadingManager):
         ticket = next(self._tickets)
         fut = self.conn.submit(m.Allocate(self.conn.next_req(), keys,
                                           depth=self._depth(ctx, keys[0]),
-                                          pending_ms=self.options.pending_ms, ticket=ticket))
+                                          pending_ms=self.options.pending_ms, ticket=ticket,
+                                          length=self._length(ctx)))
         fut.add_done_callback(self._count_allocated)
         return PrepareStoreOutput(keys_to_store=keys,
                                   store_spec=KvdSlots(np.zeros(0), self.conn.instance, ticket),

@@ -240,6 +240,7 @@ class Index:
         *,
         owner: int = 0,
         depth: int = 0,
+        length: int = 0,
         now: float = 0.0,
         pending_s: float = 60.0,
     ) -> AllocateResult:
@@ -267,7 +268,7 @@ class Index:
         slots = [NO_SLOT] * len(keys)
         answered = len(keys)
         deadline = now + pending_s
-        length = depth + len(keys)
+        length = max(length, depth + len(keys))
         got = self.allocator.alloc_many(tenant.slot_bytes, len(new))
         if len(got) < len(new):
             answered = new[len(got)]

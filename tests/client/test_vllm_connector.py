@@ -507,3 +507,20 @@ def test_in_a_multiconnector_only_kvds_connector_reports_its_load_errors(monkeyp
     assert ours.get_block_ids_with_load_errors() == {1}
     assert other.get_block_ids_with_load_errors() == {7, 8}
     assert multi.get_block_ids_with_load_errors() == {7, 8}  # aggregates its subs itself
+
+
+def test_a_prompt_stored_in_parts_names_its_whole_length(engine_side, monkeypatch):
+    """vLLM's chunked prefill stores a long prompt a step's blocks at a time; each
+    Allocate names the request's length (vLLM has recorded every key's position), so
+    the daemon's policy keeps the parts one run."""
+    mgr, _, _ = engine_side
+    sent: list[m.Request] = []
+    submit = mgr.conn.submit
+    monkeypatch.setattr(mgr.conn, "submit", lambda msg: sent.append(msg) or submit(msg))
+    keys = keys_for("chunked", 12)
+    ctx = request("chunked", keys)
+    mgr.prepare_store(keys[:4], ctx)
+    mgr.prepare_store(keys[4:8], ctx)
+    allocs = [msg for msg in sent if isinstance(msg, m.Allocate)]
+    assert [(a.depth, a.length) for a in allocs] == [(0, 12), (4, 12)]
+    mgr.on_request_finished(ctx)

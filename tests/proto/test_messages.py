@@ -32,7 +32,7 @@ def test_golden_bytes_of_core_messages():
     m.Register(2, m.Fingerprint("m", "bf16", "bf16", 16, 2, [4096, 8192], "sha256", b"r"), 1,
                [m.HostRegion(1 << 40, 10, 8192, 4096)]),
     m.Lookup(3, [b"a" * 36, b"b" * 36]),
-    m.Allocate(4, [b"a"], 2, 1000),
+    m.Allocate(4, [b"a"], 2, 1000), m.Allocate(4, [b"a"], 2, 1000, 9, 30),
     m.Transfer(5, 1, m.Direction.STORE, pack_u32([1]), pack_u32([2]), 3),
     m.Release(6, 99), m.Abort(7, pack_u32([1])), m.Stats(8), m.Evict(9, -1), m.Ping(10),
     m.Bye(11),
@@ -69,6 +69,9 @@ def test_ticket_fields_grow_the_wire_both_ways():
     old_transfer = msgspec.msgpack.encode(["transfer", 9, 5, 0, b"", b"", -1])
     assert m.decode_request(old_transfer).ticket == 0
     assert m.decode_request(msgspec.msgpack.encode(["allocate", 4, [b"k"], 0, 10])).ticket == 0
+    # ... and from before Allocate.length: 0, the daemon then takes depth + len(keys).
+    assert m.decode_request(msgspec.msgpack.encode(["allocate", 4, [b"k"], 0, 10, 7])
+                            ).length == 0
 
     # A daemon from before tickets ignores the trailing field it does not know.
     class OldTransfer(msgspec.Struct, array_like=True, tag="transfer", frozen=True):
