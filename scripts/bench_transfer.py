@@ -102,8 +102,7 @@ def syscall_gbps(nbytes: int, block: int, threads: int, repeat: int,
         holder.kill()
         holder.wait()
         if mapping is not None:
-            del local
-            mapping.close(unlink=True)
+            mapping.close(unlink=True)  # a view still alive keeps the mapping, not the file
 
 
 def timed_transfers(conn: Connection, waiter: Waiter, direction: m.Direction,
