@@ -89,6 +89,7 @@ class Connection:
             queue.SimpleQueue()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._up = threading.Event()
+        self._handshaking = False  # a daemon took the Hello; the answer is on its way
         self._closed = False
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="kvd-client-io", daemon=True)
@@ -99,6 +100,12 @@ class Connection:
     def up(self) -> bool:
         """True while the handshake (and registration, if any) is complete."""
         return self._up.is_set()
+
+    @property
+    def handshaking(self) -> bool:
+        """True while a daemon is behind the socket and the handshake is under way: being
+        up is a matter of milliseconds, unlike a daemon that is not there."""
+        return self._handshaking
 
     def next_req(self) -> int:
         return next(self._req)
@@ -292,6 +299,7 @@ class _IO:
         # With IMMEDIATE the send fails until the pipe exists: retried from the loop.
         self.hello_sent = self.raw_send(
             m.Hello(self.handshake_req, m.PROTOCOL_VERSION, os.getpid(), self.c.name))
+        self.c._handshaking = self.hello_sent
 
     def raw_send(self, msg: m.Request) -> bool:
         try:
@@ -428,6 +436,7 @@ class _IO:
         self.backoff = 0.05
         c.registered = reg
         c.epoch += 1
+        c._handshaking = False
         c._up.set()
         log.info("connected to kvd (pid %d) at %s", c.daemon_pid, c.endpoint)
         if c.on_ready is not None:
@@ -441,6 +450,7 @@ class _IO:
         c = self.c
         was_up = c._up.is_set()
         c._up.clear()
+        c._handshaking = False
         self.phase = "down"
         self.ping_req = 0  # its answer cannot come: not a second loss once back up
         self.next_attempt = time.monotonic() + self.backoff

@@ -9,7 +9,9 @@ the first scan answers RETRY for every key and collects them, and the Lookup goe
 at the end of the step (``on_schedule_end``). Scans then answer from the reply: HIT
 for the leased run, HIT_PENDING for blocks still being stored, MISS for the key after
 them. A reply that does not come within ``lookup_timeout_ms`` is a miss: vLLM itself
-would park the request forever.
+would park the request forever. An engine's first requests wait the same way for the
+connection's first handshake (``_await_connection``); later, while kvd is unreachable,
+lookups miss at once.
 
 The reply's lease pins the hit blocks in the daemon until the load completed or the
 request went away (Release), or it lapses (``lease_ms``). A request loads from kvd at
@@ -102,6 +104,8 @@ class KvdManager(OffloadingManager):
         self._abandoned: list[Future] = []
         self._wait_left = options.lookup_wait_ms / 1000  # this step's budget for replies
         self._arrived: ReqContext | None = None  # the request vLLM announced last
+        self._connecting: dict[str, float] = {}  # req -> first seen, before the first handshake
+        self._connect_gave_up = False
         # Allocate tickets: unique within the tenant (engines sharing it pick at random).
         self._tickets = itertools.count(int.from_bytes(os.urandom(4), "little") << 31 | 1)
 
@@ -116,9 +120,12 @@ class KvdManager(OffloadingManager):
         now = time.monotonic()
         st = self._reqs.get(ctx.req_id)
         if st is None:
-            if not self.conn.up:  # breaker open: miss at once, no RETRY round
-                self.boundary.count("lookup.unavailable")
+            if not self.conn.up and not self._await_connection(ctx.req_id, now):
+                self.boundary.count("lookup.unavailable")  # breaker open: miss at once
                 return MISS
+            if not self.conn.up:
+                return RETRY
+            self._connecting.clear()
             st = self._reqs[ctx.req_id] = _Req(ctx, now)
             self._to_send.append(st)
         if st.loaded:
@@ -157,6 +164,31 @@ class KvdManager(OffloadingManager):
         # The scan starts past what the reply speaks for (vLLM holds those blocks
         # itself, kvd does not): ask about the keys from here.
         return self._ask_again(st, key)
+
+    def _await_connection(self, req_id: str, now: float) -> bool:
+        """Whether a request should wait for the first handshake instead of missing.
+
+        An engine's first requests can come while its connection is still being set up
+        (the handshake takes a few round trips, longer on a busy machine): their blocks
+        may well be in kvd, so they wait for it like for a Lookup reply, within this
+        step's wait budget, then RETRY until ``lookup_timeout_ms``. Only before the first
+        registration and only while a daemon is answering: a daemon that is not there, or
+        a connection lost later, misses at once. Once one request waited in vain, the
+        next ones do not.
+        """
+        if self.conn.epoch or self._connect_gave_up or not self.conn.handshaking:
+            return False
+        first = self._connecting.setdefault(req_id, now)
+        if now - first >= self.options.lookup_timeout_ms / 1000:
+            self._connect_gave_up = True
+            self.boundary.note("lookup", "connecting", f"kvd did not complete the handshake "
+                               f"in {self.options.lookup_timeout_ms} ms; serving as a miss")
+            return False
+        if self._wait_left > 0:
+            waited = time.monotonic()
+            self.conn.wait_up(self._wait_left)
+            self._wait_left -= time.monotonic() - waited
+        return True
 
     def _ask_again(self, st: _Req, key: bytes) -> LookupResult:
         self._release(st)
@@ -338,6 +370,7 @@ class KvdManager(OffloadingManager):
                       self.facts.hash_algo)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._connecting.pop(req_context.req_id, None)
         st = self._reqs.pop(req_context.req_id, None)
         if st is not None:
             self.boundary.guard("on_request_finished", lambda: None, lambda: self._drop(st))

@@ -40,6 +40,7 @@ from kvd_client.vllm.worker import KvdWorker, _HostPath  # noqa: E402
 from kvd_proto.ids import NO_SLOT  # noqa: E402
 from kvd_proto import messages as m  # noqa: E402
 from kvd_proto.messages import HostRegion  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 HIT, MISS, RETRY, PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                              LookupResult.HIT_PENDING)
@@ -524,3 +525,99 @@ def test_a_prompt_stored_in_parts_names_its_whole_length(engine_side, monkeypatc
     allocs = [msg for msg in sent if isinstance(msg, m.Allocate)]
     assert [(a.depth, a.length) for a in allocs] == [(0, 12), (4, 12)]
     mgr.on_request_finished(ctx)
+
+
+class SlowHandshake:
+    """A relay in front of a real daemon that holds every HelloOk for ``delay`` seconds
+    (for good with None): the daemon as an engine starting on a busy machine sees it."""
+
+    def __init__(self, daemon_socket: str, path: str, delay: float | None) -> None:
+        import threading
+
+        import zmq
+
+        self.path, self.delay, self._zmq = path, delay, zmq
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.bind(f"ipc://{path}")
+        self.daemon = f"ipc://{daemon_socket}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        zmq = self._zmq
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        backs: dict[bytes, zmq.Socket] = {}
+        held: list[tuple[float, bytes, bytes]] = []
+        while not self.stop.is_set():
+            events = dict(poller.poll(5))
+            if self.front in events:
+                ident, data = self.front.recv_multipart()
+                if ident not in backs:
+                    backs[ident] = self.ctx.socket(zmq.DEALER)
+                    backs[ident].connect(self.daemon)
+                    poller.register(backs[ident], zmq.POLLIN)
+                backs[ident].send(data)
+            for ident, back in backs.items():
+                if back in events:
+                    data = back.recv()
+                    if isinstance(m.decode_reply(data), m.HelloOk):
+                        if self.delay is None:
+                            continue
+                        held.append((time.monotonic() + self.delay, ident, data))
+                    else:
+                        self.front.send_multipart([ident, data])
+            now = time.monotonic()
+            for item in [h for h in held if h[0] <= now]:
+                held.remove(item)
+                self.front.send_multipart([item[1], item[2]])
+        for sock in (self.front, *backs.values()):
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.ctx.term()
+
+
+def test_an_engine_starting_hits_while_its_handshake_is_under_way(engine_side, daemon,
+                                                                   tmp_path):
+    """A (re)started engine's first request can come before its connection is up: it
+    waits for the handshake (RETRY, like for a Lookup reply) and loads, rather than
+    recomputing blocks kvd holds."""
+    mgr, worker, _ = engine_side
+    keys = keys_for("restart", 3)
+    store(mgr, worker, keys, [1, 2, 3], job_id=1)
+    relay = SlowHandshake(daemon.socket, str(tmp_path / "slow.sock"), delay=0.15)
+    fresh = KvdManager(options(relay.path), make_fingerprint(FACTS, b"root"), FACTS)
+    try:
+        assert wait_for(lambda: fresh.conn.handshaking, 5)
+        ctx = request("first", keys)
+        fresh.on_new_request(ctx)
+        assert scan(fresh, ctx, keys) == [RETRY] * 3  # not a miss
+        assert answer(fresh, ctx, keys) == [HIT] * 3
+        assert "lookup.unavailable" not in fresh.boundary.counts
+    finally:
+        fresh.shutdown()
+        relay.close()
+
+
+def test_a_handshake_that_never_ends_costs_one_request_the_deadline(tmp_path, daemon):
+    relay = SlowHandshake(daemon.socket, str(tmp_path / "hung.sock"), delay=None)
+    fresh = KvdManager(options(relay.path, lookup_timeout_ms=200),
+                       make_fingerprint(FACTS, b"root"), FACTS)
+    try:
+        assert wait_for(lambda: fresh.conn.handshaking, 5)
+        first, second = keys_for("h1", 2), keys_for("h2", 2)
+        ctx = request("first", first)
+        t0 = time.monotonic()
+        assert answer(fresh, ctx, first) == [MISS]
+        assert 0.2 <= time.monotonic() - t0 < 1
+        ctx2 = request("second", second)
+        assert scan(fresh, ctx2, second) == [MISS]  # at once: no RETRY round
+        assert fresh.boundary.counts["lookup.connecting"] == 1
+    finally:
+        fresh.shutdown()
+        relay.close()

@@ -150,6 +150,11 @@ class EngineRun(list):
         text = (self.stdout + "\n" + self.stderr).strip().splitlines()
         return "\n".join(text[-lines:])
 
+    def kvd_log(self) -> str:
+        """The connector's own log lines (what an assertion message should show)."""
+        text = (self.stdout + "\n" + self.stderr).splitlines()
+        return "\n".join(line for line in text if "kvd" in line)
+
 
 class EngineProcess:
     """One ``_engine.py`` subprocess; ``wait()`` returns its :class:`EngineRun`.

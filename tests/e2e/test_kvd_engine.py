@@ -53,8 +53,8 @@ def test_store_reset_load_restart_and_second_engine(multiprocessing, tiny_model,
     for gen in (a_cold, a_loaded, b_loaded):
         assert gen["token_ids"] == expected["token_ids"]
         assert gen["finish_reason"] == "length"
-    assert a_loaded["num_cached_tokens"] == full_blocks(expected)  # loaded, not recomputed
-    assert b_loaded["num_cached_tokens"] == full_blocks(expected)
+    assert a_loaded["num_cached_tokens"] == full_blocks(expected), a.kvd_log()  # loaded
+    assert b_loaded["num_cached_tokens"] == full_blocks(expected), b.kvd_log()
     status = daemon.status()
     assert status["counters"]["loaded_blocks"] >= 2 * full_blocks(expected) // BLOCK_TOKENS
 
