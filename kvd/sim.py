@@ -123,7 +123,7 @@ def load_trace(path: str) -> Trace:
                     if not isinstance(hashes, list) or not all(
                             isinstance(h, int) and not isinstance(h, bool)
                             and 0 <= h < 1 << 64 for h in hashes):
-                        raise TypeError("hash_ids must be a list of non-negative integers")
+                        raise TypeError("hash_ids must be a list of integers in [0, 2**64)")
                 except (ValueError, KeyError, TypeError, RecursionError) as e:
                     what = ("no hash_ids" if isinstance(e, KeyError) else
                             "nested too deeply" if isinstance(e, RecursionError) else

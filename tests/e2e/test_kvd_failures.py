@@ -82,6 +82,8 @@ def test_corrupt_slot_is_recomputed(tiny_model, expected, daemon_factory, start_
         "model": str(tiny_model), "kv_transfer_config": kvd_transfer_config(daemon.socket),
         "steps": [GEN, touch(stored), wait_file(corrupted), RESET, GEN, RESET, GEN]})
     wait_for(stored, engine)
+    # The engine's generate returns before the daemon copied its last blocks.
+    daemon.wait_counter("stored_blocks", FULL_BLOCK_TOKENS // 128)
     size = os.path.getsize(daemon.pool_path)
     with open(daemon.pool_path, "r+b") as f:  # the daemon maps it shared: it sees this
         for off in range(0, size, 1 << 20):
