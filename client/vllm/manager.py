@@ -29,7 +29,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -120,12 +120,12 @@ class KvdManager(OffloadingManager):
         now = time.monotonic()
         st = self._reqs.get(ctx.req_id)
         if st is None:
-            if not self.conn.up and not self._await_connection(ctx.req_id, now):
-                self.boundary.count("lookup.unavailable")  # breaker open: miss at once
-                return MISS
             if not self.conn.up:
-                return RETRY
-            self._connecting.clear()
+                if not self._await_connection(ctx.req_id, now):
+                    self.boundary.count("lookup.unavailable")  # breaker open: miss at once
+                    return MISS
+                if not self.conn.up:
+                    return RETRY
             st = self._reqs[ctx.req_id] = _Req(ctx, now)
             self._to_send.append(st)
         if st.loaded:
@@ -135,10 +135,9 @@ class KvdManager(OffloadingManager):
             return RETRY
         if st.phase == WAIT:
             assert st.future is not None
-            if not st.future.done() and self._wait_left > 0:
-                waited = time.monotonic()  # a reply on its way beats a parked step
-                wait_futures((st.future,), timeout=self._wait_left)
-                self._wait_left -= time.monotonic() - waited
+            if not st.future.done():  # a reply on its way beats a parked step
+                future = st.future
+                self._spend_wait(lambda left: wait_futures((future,), timeout=left))
             if st.future.done():
                 self._absorb(st)
             elif now >= st.deadline:
@@ -184,11 +183,15 @@ class KvdManager(OffloadingManager):
             self.boundary.note("lookup", "connecting", f"kvd did not complete the handshake "
                                f"in {self.options.lookup_timeout_ms} ms; serving as a miss")
             return False
-        if self._wait_left > 0:
-            waited = time.monotonic()
-            self.conn.wait_up(self._wait_left)
-            self._wait_left -= time.monotonic() - waited
+        self._spend_wait(self.conn.wait_up)
         return True
+
+    def _spend_wait(self, wait: Callable[[float], object]) -> None:
+        """Wait for something on its way, out of this step's ``lookup_wait_ms`` budget."""
+        if self._wait_left > 0:
+            started = time.monotonic()
+            wait(self._wait_left)
+            self._wait_left -= time.monotonic() - started
 
     def _ask_again(self, st: _Req, key: bytes) -> LookupResult:
         self._release(st)
