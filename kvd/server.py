@@ -281,6 +281,11 @@ class Server:
         await self.lifecycle.drain()
         log.info("kvd stopped")
         self.close()
+        # Stopped cleanly: a later stop signal (systemd's or an operator's second one)
+        # must not turn the exit into death by signal once the loop's handlers are gone.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
     def close(self) -> None:
         self.lifecycle.close()

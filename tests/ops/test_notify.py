@@ -144,6 +144,19 @@ def test_sigterm_sends_stopping_and_exits_zero(daemon_factory, systemd):
     assert "kvd stopped" in d.logs()
 
 
+def test_stop_signals_until_it_is_gone_still_exit_zero(daemon_factory):
+    """Stop signals keep coming (systemd's, an operator's) while the daemon winds down
+    and after its loop is gone: the exit is still a clean one."""
+    d = daemon_factory("--metrics-port", "0")
+    proc = d.proc
+    deadline = time.monotonic() + 15
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.001)
+    assert proc.wait(5) == 0
+    assert "kvd stopped" in d.logs()
+
+
 def test_filesystem_notify_socket_and_no_socket(tmp_path):
     s = FakeSystemd(str(tmp_path / "notify"))
     try:
