@@ -1,0 +1,497 @@
+"""The I/O thread of a ``Connection`` and the state it shares with its callers.
+
+``IOLoop`` runs the socket: it sends what callers queued, receives, routes replies by
+request id, delivers pushed Done events (callbacks run on this thread only), pings the
+daemon, and re-runs the handshake (Hello, then the saved Register) whenever the daemon
+restarts. It polls the socket's FD, not the socket, so that a caller may use the socket
+meanwhile under ``Shared._lock``; the FD is edge-triggered, so whoever touched the
+socket last checks it for input before anyone sleeps. While callers receive their own
+replies (``await_reply``) the thread stops watching the socket and looks every
+``RECEIVE_WINDOW_S``: waking on each reply would only compete with the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvd_client.errors import RemoteError, Timeout, Unavailable
+from kvd_client.process import allow_ptrace
+from kvd_proto import messages as m
+
+log = logging.getLogger("kvd_client")
+GRACE_S = m.EXPIRY_GRACE_NS / 1e9
+# How long a caller waiting for its reply may keep the socket (and the I/O thread) to
+# itself: a reply within it needs no thread hand-off; a slower one comes the usual way.
+RECEIVE_WINDOW_S = 0.002
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # not enums
+
+
+@dataclass
+class ClientStats:
+    """Why calls did not reach the daemon (part of the API: fail-open needs counters)."""
+
+    sent: int = 0
+    timeouts: int = 0
+    unavailable: int = 0
+    remote_errors: int = 0
+    reconnects: int = 0
+    lost_transfers: int = 0  # ended without a Done: past deadline + grace, or kvd exited
+    wakeups: int = 0  # of the I/O thread: what an engine pays while kvd is away
+
+
+class Shared:
+    """A connection's fields that its I/O thread reads and writes too (``Connection``
+    sets them; the socket and ``IOLoop``'s state are used under ``_lock`` only)."""
+
+    endpoint: str
+    name: str
+    timeout: float
+    ping_interval: float
+    on_done: Callable[[m.Done], None] | None
+    on_ready: Callable[[m.Registered | None], None] | None
+    on_event_waited: Callable[[m.EventWaited], None] | None
+    stats: ClientStats
+    daemon_pid: int
+    instance: str
+    epoch: int
+    registered: m.Registered | None
+    _register: m.Register | None
+    _req: itertools.count
+    # (message, its future for a call, the daemon run a Transfer's slots belong to)
+    _outbox: queue.SimpleQueue[tuple[m.Request, Future | None, str]]
+    _wake: int
+    _up: threading.Event
+    _handshaking: bool
+    _closed: bool
+    _ctx: zmq.Context
+    # Held by the I/O thread while it works (never while it sleeps) and by a caller
+    # sending on its own thread.
+    _lock: threading.RLock
+
+    def next_req(self) -> int:
+        return next(self._req)
+
+
+class IOLoop:
+    """The I/O thread's state (and, under the lock, a sending caller's)."""
+
+    def __init__(self, conn: Shared) -> None:
+        self.c = conn
+        self.sock: zmq.Socket | None = None
+        self.pending: dict[int, tuple[Future | None, float, str]] = {}
+        # req -> (Transfer, give-up time on time.monotonic()): kept across a reconnect
+        self.transfers: dict[int, tuple[m.Transfer, float]] = {}
+        self.poller: zmq.Poller | None = None
+        self.sock_fd = -1  # the socket's (edge-triggered) FD, which the thread polls
+        self.inbox: list[bytes] = []  # received on a caller's thread, for this one
+        self.watched_fd = -1
+        self.callers_until = 0.0  # until then, callers receive: the thread need not watch
+        self.daemon_fd = -1  # pidfd of the daemon, where it is in our PID namespace
+        self.phase = "down"  # down -> hello -> register -> up
+        self.handshake_req = 0
+        self.next_attempt = 0.0
+        self.backoff = 0.05
+        self.last_rx = time.monotonic()
+        self.ping_req = 0
+        self.ping_sent = 0.0
+        self.hello_sent = False
+        self.hello_poll = 10  # twice the next wait for the Hello to go out, in ms
+        self.greeted = False  # the daemon answered this socket's Hello
+
+    # ---------------------------------------------------------------- loop
+    def loop(self) -> None:
+        c = self.c
+        poller = self.poller = zmq.Poller()
+        poller.register(c._wake, zmq.POLLIN)
+        while not c._closed:
+            with c._lock:
+                now = time.monotonic()
+                if self.phase == "down" and now >= self.next_attempt:
+                    self.connect(poller)
+                # While callers receive their own replies, waking up on each of them
+                # would only compete with the caller: look every RECEIVE_WINDOW_S.
+                quiet = now < self.callers_until
+                self.watch(-1 if quiet or self.sock is None else self.sock_fd)
+                # The last look at the socket before sleeping: its FD only signals news.
+                ms = 0 if self.readable() else self.poll_ms(now)
+                if quiet:
+                    ms = min(ms, int((self.callers_until - now) * 1000) + 1)
+            events = dict(poller.poll(ms))
+            c.stats.wakeups += 1
+            with c._lock:
+                if c._wake in events:
+                    try:
+                        os.eventfd_read(c._wake)
+                    except BlockingIOError:
+                        pass
+                self.flush_outbox()
+                self.drain()
+                # After the socket: the daemon's last Dones may have come with its exit.
+                if self.daemon_fd >= 0 and self.daemon_fd in events:
+                    self.daemon_exited()
+                self.timers(time.monotonic())
+
+    def watch(self, fd: int) -> None:
+        """Poll ``fd`` (the socket's FD; -1: none) from now on."""
+        if fd != self.watched_fd:
+            if self.watched_fd >= 0 and self.poller is not None:
+                self.poller.unregister(self.watched_fd)
+            if fd >= 0 and self.poller is not None:
+                self.poller.register(fd, zmq.POLLIN)
+            self.watched_fd = fd
+
+    def readable(self) -> bool:
+        """A message waits (and the FD's edge is consumed: the caller acts on it)."""
+        return self.sock is not None and bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
+
+    def await_reply(self, fut: Future, wait: float) -> None:
+        """On a caller's thread, holding the lock: receive until ``fut`` has its reply,
+        ``wait`` passed, or a message comes that is not a plain reply to a call (a Done,
+        an error, the handshake's or a ping's answer): that one is left in the inbox for
+        the I/O thread, which handles the rest, so callbacks never run on a caller's
+        thread."""
+        sock = self.sock
+        assert sock is not None
+        end = time.monotonic() + wait
+        self.callers_until = end
+        while not fut.done() and time.monotonic() < end:
+            try:
+                data = sock.recv()  # blocks for RECEIVE_WINDOW_S at most (RCVTIMEO)
+            except zmq.Again:
+                return
+            self.last_rx = time.monotonic()
+            if not self.answer(data):
+                self.inbox.append(data)
+                return
+
+    def answer(self, data: bytes) -> bool:
+        """Settle the call that ``data`` answers, if that is all it does."""
+        try:
+            reply = m.decode_reply(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        req = reply.req
+        if (isinstance(reply, (m.Error, m.Done, m.EventWaited)) or req in self.transfers
+                or req == self.handshake_req or req == self.ping_req):
+            return False
+        entry = self.pending.pop(req, None)
+        if entry is not None and entry[0] is not None:
+            entry[0].set_result(reply)
+        return True  # (or a late answer to a call that timed out: dropped, as receive does)
+
+    def drain(self) -> None:
+        inbox, self.inbox = self.inbox, []
+        for data in inbox:
+            self.receive(data)
+        while self.readable():
+            assert self.sock is not None
+            self.receive(self.sock.recv(_NOBLOCK))
+
+    def poll_ms(self, now: float) -> int:
+        ms = self.phase_poll_ms(now)
+        if self.transfers:  # wake up when the first of them may be given up
+            give_up = min(g for _, g in self.transfers.values())
+            ms = min(ms, max(1, int((give_up - now) * 1000) + 1))
+        return ms
+
+    def phase_poll_ms(self, now: float) -> int:
+        if self.phase == "down":
+            return max(1, int((self.next_attempt - now) * 1000))
+        if self.phase == "hello" and not self.hello_sent:
+            # No daemon behind the socket yet: retry the Hello at 5 ms, backing off to
+            # 100 ms, so an engine whose daemon is down is not woken 200 times a second.
+            self.hello_poll = min(self.hello_poll * 2, 200)
+            return self.hello_poll // 2
+        return 100
+
+    def connect(self, poller: zmq.Poller) -> None:
+        c = self.c
+        if self.sock is not None:
+            self.watch(-1)
+            # Given up as lost, the daemon may only have been slow (paused): told Bye,
+            # it lets go of the old connection's leases now, not at client_timeout_ms.
+            said = self.greeted and self.raw_send(m.Bye(0))
+            self.sock.close(linger=100 if said else 0)  # zmq writes it in the background
+        self.greeted = False
+        sock = c._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # Only a caller's receive window blocks in recv (the I/O thread never does).
+        sock.setsockopt(zmq.RCVTIMEO, int(RECEIVE_WINDOW_S * 1000))
+        sock.connect(c.endpoint)
+        self.sock_fd = sock.getsockopt(zmq.FD)
+        self.watch(self.sock_fd)
+        self.sock = sock
+        self.phase = "hello"
+        self.handshake_req = c.next_req()
+        self.last_rx = time.monotonic()
+        self.hello_sent = False
+        self.hello_poll = 10
+        self.send_hello()
+
+    def send_hello(self) -> None:
+        # With IMMEDIATE the send fails until the pipe exists: retried from the loop.
+        self.hello_sent = self.raw_send(
+            m.Hello(self.handshake_req, m.PROTOCOL_VERSION, os.getpid(), self.c.name))
+        self.c._handshaking = self.hello_sent
+
+    def raw_send(self, msg: m.Request) -> bool:
+        try:
+            assert self.sock is not None
+            self.sock.send(m.encode(msg), _NOBLOCK)
+            self.c.stats.sent += 1
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def flush_outbox(self, transfers: bool = True) -> None:
+        """Send what callers queued; without ``transfers`` (closing), a Transfer is
+        ended unsent instead: nobody would be left to take its Done."""
+        c = self.c
+        while True:
+            try:
+                msg, fut, instance = c._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue
+            if instance and instance != c.instance:  # slots of an earlier daemon run
+                self.fail_one(msg, fut, Unavailable("kvd restarted: the slots are gone"))
+                continue
+            if (self.phase != "up" or (not transfers and isinstance(msg, m.Transfer))
+                    or not self.raw_send(msg)):
+                self.fail_one(msg, fut, Unavailable("kvd connection lost"))
+                continue
+            self.track(msg, fut)
+
+    def track(self, msg: m.Request, fut: Future | None) -> None:
+        """A message went out: wait for its reply (a call) or its Done (a Transfer)."""
+        if isinstance(msg, m.Transfer):
+            self.transfers[msg.req] = (msg, msg.deadline_ns / 1e9 + GRACE_S)
+        else:
+            self.pending[msg.req] = (fut, time.monotonic() + self.c.timeout * 2,
+                                     type(msg).__name__)
+
+    def fail_one(self, msg: m.Request, fut: Future | None, err: Exception) -> None:
+        c = self.c
+        c.stats.unavailable += 1
+        if fut is not None:
+            fut.set_exception(err)
+        elif isinstance(msg, m.Transfer):
+            self.deliver(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE, str(err)))
+
+    def deliver(self, done: m.Done) -> None:
+        cb = self.c.on_done
+        if cb is not None:
+            try:
+                cb(done)
+            except Exception:  # noqa: BLE001 - a callback bug must not kill the I/O thread
+                log.exception("on_done callback failed")
+
+    def receive(self, data: bytes) -> None:
+        c = self.c
+        self.last_rx = time.monotonic()
+        try:
+            reply = m.decode_reply(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            # (A newer daemon's reply, say.) A call it answered fails now rather than at
+            # its timeout; a Transfer is left to its Done or deadline (the daemon may
+            # still be copying it).
+            log.warning("undecodable reply from kvd: %s", e)
+            tag, req = m.peek(data)
+            entry = self.pending.pop(req, None)
+            if entry is not None and entry[0] is not None:
+                entry[0].set_exception(RemoteError(m.Code.INTERNAL, f"undecodable reply: {e}"))
+            elif req in self.transfers and tag == "done":  # copying is over
+                msg, _ = self.transfers.pop(req)
+                self.deliver(m.Done(req, msg.event, m.Code.INTERNAL, f"undecodable Done: {e}"))
+            return
+        if isinstance(reply, m.Done):
+            entry = self.transfers.pop(reply.req, None)
+            if entry is not None:  # its event is ours, whatever the reply says
+                self.deliver(msgspec.structs.replace(reply, event=entry[0].event))
+            return
+        if isinstance(reply, m.EventWaited):  # the store may now reuse its CUDA event
+            if c.on_event_waited is not None:
+                try:
+                    c.on_event_waited(reply)
+                except Exception:  # noqa: BLE001
+                    log.exception("on_event_waited callback failed")
+            return
+        if reply.req in self.transfers:  # an error about a Transfer still ends it
+            msg, _ = self.transfers.pop(reply.req)
+            code = reply.code if isinstance(reply, m.Error) else m.Code.INTERNAL
+            text = reply.message if isinstance(reply, m.Error) else "unexpected reply"
+            self.deliver(m.Done(msg.req, msg.event, code, text))
+            return
+        if reply.req == self.handshake_req and self.phase in ("hello", "register"):
+            self.handshake(reply)
+            return
+        if reply.req == self.ping_req:
+            self.ping_req = 0
+            if isinstance(reply, m.Error) and reply.code == m.Code.NOT_REGISTERED:
+                self.lost("kvd restarted")
+            return
+        entry = self.pending.pop(reply.req, None)
+        if entry is None:
+            return  # a late answer to a call that timed out
+        fut = entry[0]
+        if isinstance(reply, m.Error):
+            c.stats.remote_errors += 1
+            if reply.code == m.Code.NOT_REGISTERED:
+                self.lost("kvd forgot this client (restarted)")
+            if fut is not None:
+                fut.set_exception(RemoteError(reply.code, reply.message))
+        elif fut is not None:
+            fut.set_result(reply)
+
+    def handshake(self, reply: m.Reply) -> None:
+        c = self.c
+        if isinstance(reply, m.Error):
+            log.warning("kvd refused the handshake: %s", reply.message)
+            self.lost(f"refused: {reply.message}", quiet=True)
+            self.next_attempt = time.monotonic() + 5.0  # a refusal will not fix itself fast
+            return
+        if isinstance(reply, m.HelloOk):
+            self.greeted = True
+            if c.instance and c.instance != reply.instance:
+                c.stats.reconnects += 1
+            c.instance, c.daemon_pid = reply.instance, reply.daemon_pid
+            allow_ptrace(reply.daemon_pid)
+            self.watch_daemon(reply)
+            if c._register is None:
+                return self.ready(None)
+            self.phase = "register"
+            self.handshake_req = c.next_req()
+            reg = msgspec.structs.replace(c._register, req=self.handshake_req)
+            self.raw_send(reg)
+        elif isinstance(reply, m.Registered):
+            self.ready(reply)
+
+    def ready(self, reg: m.Registered | None) -> None:
+        c = self.c
+        self.phase = "up"
+        self.backoff = 0.05
+        c.registered = reg
+        c.epoch += 1
+        c._handshaking = False
+        c._up.set()
+        log.info("connected to kvd (pid %d) at %s", c.daemon_pid, c.endpoint)
+        if c.on_ready is not None:
+            try:
+                c.on_ready(reg)
+            except Exception:  # noqa: BLE001
+                log.exception("on_ready callback failed")
+
+    def lost(self, why: str, quiet: bool = False) -> None:
+        """Drop the connection: fail every waiting call and transfer, retry later."""
+        c = self.c
+        was_up = c._up.is_set()
+        c._up.clear()
+        c._handshaking = False
+        self.phase = "down"
+        self.ping_req = 0  # its answer cannot come: not a second loss once back up
+        self.next_attempt = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, 2.0)
+        if was_up and not quiet:
+            log.warning("kvd connection lost (%s); serving without kvd until it is back", why)
+        for fut, _, _ in self.pending.values():
+            if fut is not None and not fut.done():
+                fut.set_exception(Unavailable(f"kvd connection lost: {why}"))
+        self.pending.clear()
+        # Transfers stay: the daemon may still copy them until their deadline.
+
+    def end_transfers(self, code: m.Code, why: str, now: float | None = None) -> None:
+        """Fail the Transfers nobody will answer: all of them, or (with ``now``) those
+        past their give-up time, when the daemon no longer copies them."""
+        c = self.c
+        ended = [r for r, (_, give_up) in self.transfers.items()
+                 if now is None or give_up <= now]
+        for r in ended:
+            msg, _ = self.transfers.pop(r)
+            c.stats.lost_transfers += 1
+            self.deliver(m.Done(msg.req, msg.event, code, why))
+
+    def watch_daemon(self, hello: m.HelloOk) -> None:
+        """Learn at once when the daemon's process ends (it can copy nothing more then).
+        Only where its pid means the same process to us: same PID namespace, which the
+        daemon tells by echoing our pid as it sees it."""
+        self.unwatch_daemon()
+        if hello.peer_pid != os.getpid() or hello.daemon_pid <= 0 or self.poller is None:
+            return  # another namespace (or an older daemon): deadlines alone decide
+        try:
+            self.daemon_fd = os.pidfd_open(hello.daemon_pid)
+        except OSError:
+            return
+        self.poller.register(self.daemon_fd, zmq.POLLIN)
+
+    def unwatch_daemon(self) -> None:
+        if self.daemon_fd >= 0:
+            if self.poller is not None:
+                self.poller.unregister(self.daemon_fd)
+            os.close(self.daemon_fd)
+            self.daemon_fd = -1
+
+    def daemon_exited(self) -> None:
+        self.unwatch_daemon()
+        self.end_transfers(m.Code.CLIENT_GONE, "kvd exited")
+        if self.phase != "down":
+            self.lost("kvd exited")
+
+    def timers(self, now: float) -> None:
+        c = self.c
+        if self.transfers:
+            self.end_transfers(m.Code.EXPIRED, "no Done from kvd by the transfer's deadline "
+                               "plus grace; kvd copies nothing for it any more", now)
+        if self.phase in ("hello", "register"):
+            if self.phase == "hello" and not self.hello_sent:
+                self.send_hello()
+            if now - self.last_rx > c.timeout:
+                self.lost("handshake timed out", quiet=True)
+            return
+        if self.phase != "up":
+            return
+        expired = [r for r, (_, dl, _) in self.pending.items() if dl <= now]
+        for r in expired:
+            fut, _, what = self.pending.pop(r)
+            if fut is not None and not fut.done():
+                fut.set_exception(Timeout(f"kvd did not answer {what}"))
+        idle = now - self.last_rx
+        if idle > c.ping_interval and self.ping_req == 0:
+            self.ping_req = c.next_req()
+            self.raw_send(m.Ping(self.ping_req))
+            self.ping_sent = now
+        elif self.ping_req and now - self.ping_sent > max(c.timeout, 2 * c.ping_interval):
+            self.ping_req = 0
+            self.lost("kvd stopped answering")
+
+    def shutdown(self) -> None:
+        linger = 0
+        if self.phase == "up":
+            # What close() found queued (a Release, an Abort) goes out; a Transfer does
+            # not (its Done would come to nobody while the daemon copied). Bye: the
+            # daemon lets go of what this client held (and its copies) at once.
+            self.flush_outbox(transfers=False)
+            self.raw_send(m.Bye(0))
+            linger = 100  # ms for zmq to write it; never an unbounded wait
+        self.lost("connection closed", quiet=True)
+        self.flush_outbox()  # anything left: ended here (the connection is down now)
+        # Closing means this process stops using kvd (an engine shutting down): what is
+        # still in flight is reported to the caller, whose memory goes away with it.
+        self.end_transfers(m.Code.CLIENT_GONE, "connection closed")
+        self.unwatch_daemon()
+        if self.sock is not None:
+            self.sock.close(linger=linger)
