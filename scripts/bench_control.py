@@ -8,7 +8,9 @@
 - The baseline, measured in the same run: a raw ZeroMQ DEALER/ROUTER round trip between
   two processes over ipc with the same 1-key Lookup bytes (an echo server, before and
   after the timed cases), so the client's and daemon's overhead reads as a ratio that
-  holds on another machine.
+  holds on another machine. Beside it the same 1-key Lookup from a raw DEALER speaking
+  kvd's protocol to the daemon (no ``Connection``): what the daemon takes, so the rest is
+  the client's.
 
     python scripts/bench_control.py [--clients 8] [--seconds 3] [--policy NAME] [--json]
 Targets: 1,000-key lookup <= 2 x the 1-key round trip; >= 20,000 RPC/s; a 1-key
@@ -96,6 +98,36 @@ def raw_round_trips(n: int) -> list[float]:
         server.join(10)
         sock.close(linger=0)
         zctx.term()
+    return out
+
+
+def daemon_round_trips(sock_path: str, n: int, hit: bytes) -> list[float]:
+    """``n`` 1-key Lookups (hits, each lease released untimed) from a raw DEALER that
+    speaks kvd's protocol itself: the daemon's share of a round trip, without
+    ``Connection`` (encoding and decoding timed, as ``Connection`` does them)."""
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{sock_path}")
+    sock.send(m.encode(m.Hello(1, m.PROTOCOL_VERSION, os.getpid(), "bench-raw")))
+    assert isinstance(m.decode_reply(sock.recv()), m.HelloOk)
+    sock.send(m.encode(m.Register(2, FP, -1)))
+    assert isinstance(m.decode_reply(sock.recv()), m.Registered)
+    out = []
+    for i in range(n + 20):  # 20 to warm up
+        t0 = time.perf_counter()
+        sock.send(m.encode(m.Lookup(10 + i, [hit])))
+        reply = m.decode_reply(sock.recv())
+        took = time.perf_counter() - t0
+        assert isinstance(reply, m.LookupOk) and reply.hits == 1, reply
+        if reply.lease:
+            sock.send(m.encode(m.Release(2**40 + i, reply.lease)))
+            sock.recv()
+        if i >= 20:
+            out.append(took)
+    sock.send(m.encode(m.Bye(0)))
+    sock.close(linger=100)
+    zctx.term()
     return out
 
 
@@ -190,6 +222,9 @@ def main() -> int:
             xs = timed(conn, make, n, after)
             rows.append({"case": name, "p50_us": statistics.median(xs) * 1e6,
                          "p99_us": pct(xs, 0.99) * 1e6})
+        floor = daemon_round_trips(sock, n, hit_keys[0])
+        rows.append({"case": "lookup 1 key, hit, raw DEALER (no Connection)",
+                     "p50_us": statistics.median(floor) * 1e6, "p99_us": pct(floor, 0.99) * 1e6})
         raw += raw_round_trips(n)
         rows.append({"case": "raw zmq round trip (baseline)",
                      "p50_us": statistics.median(raw) * 1e6, "p99_us": pct(raw, 0.99) * 1e6})
@@ -226,6 +261,8 @@ def main() -> int:
             "target_rpc_per_s": ">= 20000",
             "met_rpc": rate >= 20000,
             "lookup_1key_vs_raw_zmq": round(one / base, 2),
+            # What Connection adds over the daemon's own share (raw DEALER, same lookup).
+            "lookup_1key_vs_raw_dealer": round(one / rows[-2]["p50_us"], 2),
             "target_lookup_vs_raw": "<= 1.3",
             "met_lookup_vs_raw": one / base <= 1.3,
         }
