@@ -223,3 +223,20 @@ def test_idle_tenants_give_way_empty_ones_first_then_the_longest_idle():
         t.blocks, t.idle_since = blocks, since
     made["d"].clients.add(1)  # in use: never given up
     assert [t.digest for t in tenants.idle()] == ["c", "b", "a"]
+
+
+@given(st.lists(st.lists(st.integers(0, 15), max_size=20), max_size=6))
+def test_pins_count_a_slot_once_per_call_whatever_the_size(calls):
+    """A few slots are pinned one by one, many at once: both count a repeated slot once
+    per call, so every pin is undone by the unpin of the same array."""
+    ix, _, _ = make_index()
+    arrays = [np.array(c, dtype=np.uint32) for c in calls]
+    for a in arrays:
+        ix.pin(a)
+    want = np.zeros(len(ix.pins), dtype=np.int64)
+    for c in calls:
+        want[sorted(set(c))] += 1
+    assert ix.pins.tolist() == want.tolist()
+    for a in reversed(arrays):
+        ix.unpin(a)
+    assert not ix.pins.any() and ix.pinned_blocks == 0
