@@ -271,9 +271,12 @@ class IOLoop:
             if instance and instance != c.instance:  # slots of an earlier daemon run
                 self.fail_one(msg, fut, Unavailable("kvd restarted: the slots are gone"))
                 continue
-            if (self.phase != "up" or (not transfers and isinstance(msg, m.Transfer))
-                    or not self.raw_send(msg)):
+            if self.phase != "up" or (not transfers and isinstance(msg, m.Transfer)):
                 self.fail_one(msg, fut, Unavailable("kvd connection lost"))
+                continue
+            if not self.raw_send(msg):  # up, but 1,000 messages wait for the daemon
+                self.fail_one(msg, fut, Unavailable("kvd is not keeping up: the socket's "
+                                                    "queue to it is full"))
                 continue
             self.track(msg, fut)
 

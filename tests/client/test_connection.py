@@ -256,3 +256,23 @@ def test_replies_a_daemon_should_not_send_end_calls_and_transfers_once(tmp_path)
         c.close()
         stop.set()
         t.join(5)
+
+
+def test_a_burst_beyond_the_sockets_queue_fails_at_once_and_says_why(daemon):
+    """A daemon that does not keep up (here stopped) fills the socket's queue (1,000
+    messages): further calls fail at once as Unavailable, saying so, not as a lost
+    connection; the connection itself stays up."""
+    spec = Spec(daemon.socket, pages=(4096,))
+    c = Connection(daemon.socket, timeout=10, register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5)
+        keys = [i.to_bytes(36, "little") for i in range(1000)]  # 36 kB: few fit the kernel's buffer
+        daemon.proc.send_signal(signal.SIGSTOP)
+        futs = [c.submit(m.Lookup(c.next_req(), keys)) for _ in range(1200)]
+        assert wait_for(lambda: sum(f.done() for f in futs) >= 100, 5)
+        errors = [f.exception(0) for f in futs if f.done()]
+        assert all(isinstance(e, Unavailable) and "not keeping up" in str(e) for e in errors)
+        assert c.up
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        c.close()
