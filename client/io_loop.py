@@ -168,7 +168,7 @@ class IOLoop:
         while not fut.done() and time.monotonic() < end:
             try:
                 data = sock.recv()  # blocks for RECEIVE_WINDOW_S at most (RCVTIMEO)
-            except zmq.Again:
+            except zmq.ZMQError:  # (Again: nothing in the window) the I/O thread goes on
                 return
             self.last_rx = time.monotonic()
             if not self.answer(data):
