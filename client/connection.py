@@ -111,14 +111,15 @@ class Connection(Shared):
         assert self.registered is not None
         return self.registered
 
-    def submit(self, msg: m.Request) -> Future:
-        """Send now; the future gets the reply (or Unavailable / Timeout / RemoteError)."""
+    def submit(self, msg: m.Request, _wait: float = 0.0) -> Future:
+        """Send now; the future gets the reply (or Unavailable / Timeout / RemoteError).
+        (``_wait``: ``request``'s receive window.)"""
         fut: Future = Future()
         if not self._up.is_set():
             self.stats.unavailable += 1
             fut.set_exception(Unavailable(f"kvd at {self.endpoint} is not connected"))
             return fut
-        if not self._direct(msg, fut, ""):
+        if not self._direct(msg, fut, "", _wait):
             self._outbox.put((msg, fut, ""))
             self._wakeup()
         return fut
@@ -127,13 +128,7 @@ class Connection(Shared):
         """Send and wait for the reply; one that comes within ``RECEIVE_WINDOW_S`` is
         received on this thread (no hand-off to the I/O thread and back)."""
         limit = self.timeout if timeout is None else timeout
-        fut: Future = Future()
-        if not self._up.is_set():
-            self.stats.unavailable += 1
-            raise Unavailable(f"kvd at {self.endpoint} is not connected")
-        if not self._direct(msg, fut, "", wait=min(limit, RECEIVE_WINDOW_S)):
-            self._outbox.put((msg, fut, ""))
-            self._wakeup()
+        fut = self.submit(msg, min(limit, RECEIVE_WINDOW_S))
         try:
             return fut.result(limit)
         except FutureTimeout:
