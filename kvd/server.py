@@ -23,7 +23,7 @@ import zmq
 from kvd.access import UNKNOWN_PEER, Peer
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
-from kvd.engines.cuda import ClientCopyEngine, gpu_path
+from kvd.engines.cuda import ClientCopyEngine, CudaEngine, gpu_path
 from kvd.engines.host import HostEngine
 from kvd.lifecycle import Lifecycle, ReloadFn
 from kvd.pinning import PoolPinner
@@ -142,8 +142,11 @@ class Server:
         self.pinner.start()  # registers the pool in the background; unpinned until then
 
     def _extra_status(self) -> dict:
+        cuda = self.engines.get("cuda")
         return {"pinning": self.pinner.status() if self.pinner else {"state": "unavailable"},
-                "data_paths": sorted(self.engines), **self.lifecycle.status()}
+                "data_paths": sorted(self.engines),
+                **({"cuda": cuda.stats()} if isinstance(cuda, CudaEngine) else {}),
+                **self.lifecycle.status()}
 
     # ------------------------------------------------------------ for the lifecycle
     @property

@@ -214,6 +214,15 @@ class CudaEngine(TransferEngine):
         self._gone.discard(c)
         self._handles.release(c)
 
+    def stats(self) -> dict[str, int]:
+        """For the status document: what is open on the GPUs (a dead client's handles
+        close once its copies drained; ``retiring`` counts lanes still draining)."""
+        with self._lock:
+            return {"gpus": len(self._devices), "clients": len(self._clients),
+                    "gone_clients": len(self._gone), "retiring": len(self._retiring),
+                    "ipc_memory": len(self._handles.mem),
+                    "ipc_events": len(self._handles.events)}
+
     # ------------------------------------------------------------ jobs
     def submit(self, job: CopyJob) -> None:
         err: Exception | None = None
