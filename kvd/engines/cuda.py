@@ -47,7 +47,6 @@ from kvd_proto.messages import Code, Direction, Register
 log = logging.getLogger("kvd.engines.cuda")
 MAX_EVENTS = 4096  # event-ring entries one client may register
 STOP_SECONDS = 30.0  # how long close() waits for copies in flight
-RETIRING_SECONDS = 2.0  # ... and for lanes of gone clients (may wait forever otherwise)
 
 WaitedCallback = Callable[[CopyJob], None]
 # Loads with copies on the GPU at once, per device: the deadline of the next one is
@@ -181,22 +180,15 @@ class CudaEngine(TransferEngine):
         return out
 
     def _maybe_release(self, c: Client, wait: float = 0.0) -> None:
-        """Once a gone client has no copies on the GPU: close its IPC memory, end its
-        lane, then close its event handles. Without ``wait`` it never joins: the lane's
-        submit thread may still be blocked on the client's event (for good, when the
-        client died before recording it: measured on an H200, a wait on a killed
-        process's event never ends), and the lane frees itself and the events once that
-        returned. The memory cannot wait for that: the dead engine's KV cache stays
-        allocated on the GPU while the daemon maps it, and no copy of this client can
-        start any more (its works are finished, ``_claim`` refuses them). With ``wait``
-        (shutdown) it joins the lane that long."""
+        """Once a gone client has no copies on the GPU: end its lane, then close its
+        handles. Without ``wait`` it never joins: the lane's submit thread may still be
+        blocked on the client's event, and the lane frees itself and the handles once
+        that returned. With ``wait`` (shutdown) it joins the lane that long."""
         with self._lock:
             if not c.gone or c.copying or c.released:
                 return
             c.released = True
             lane, c.lane = c.lane, None
-            self.api.set_current_context(c.device.ctx)
-            self._handles.release(c, memory_only=True)
             if lane is not None and not wait:
                 self._retiring.add(lane)  # in the same step: close() must see it
         if lane is None:
@@ -403,16 +395,9 @@ class CudaEngine(TransferEngine):
                 self._maybe_release(c, wait=STOP_SECONDS)
         with self._lock:
             retiring = list(self._retiring)
-        end = time.monotonic() + RETIRING_SECONDS
-        for lane in retiring:  # they release their events before the contexts go
+        for lane in retiring:  # they release their handles before the contexts go
             for t in lane.threads:
-                t.join(max(0.0, end - time.monotonic()))
-        with self._lock:
-            stuck = len(self._retiring)
-        if stuck:  # blocked on events of dead clients: the process exit frees them
-            log.warning("CUDA: %d store lane(s) of dead clients still wait on their events; "
-                        "their streams are left to the process exit", stuck)
-            return
+                t.join(STOP_SECONDS)
         for dev in self._devices.values():
             if drained and dev.loads is not None and dev.loads.stop(STOP_SECONDS):
                 self._log_errors(dev, dev.loads.destroy())

@@ -129,13 +129,10 @@ class Handles:
             table[key] = Opened(opener(handle), dev)
         return key
 
-    def release(self, c: Client, memory_only: bool = False) -> None:
-        """Drop the client's references (its memory's only, with ``memory_only``); close
-        handles nobody else uses. Idempotent."""
-        tables = [(self.mem, c.mem_keys, self.api.ipc_close_mem_handle)]
-        if not memory_only:
-            tables.append((self.events, c.event_keys, self.api.event_destroy))
-        for table, keys, closer in tables:
+    def release(self, c: Client) -> None:
+        """Drop the client's references; close handles nobody else uses."""
+        for table, keys, closer in ((self.mem, c.mem_keys, self.api.ipc_close_mem_handle),
+                                    (self.events, c.event_keys, self.api.event_destroy)):
             for key in keys:
                 got = table[key]
                 got.refs -= 1

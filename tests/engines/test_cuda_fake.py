@@ -20,7 +20,7 @@ import pytest
 import xxhash
 
 from kvd.engines.base import ChecksumSpec, CopyJob
-from kvd.engines.cuda import (RETIRING_SECONDS, ClientCopyEngine, CudaEngine, gpu_path,
+from kvd.engines.cuda import (ClientCopyEngine, CudaEngine, gpu_path,
                               refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner, chunks
@@ -397,44 +397,17 @@ def test_d3_a_gone_clients_queued_jobs_fail_before_their_wait(fake):
     assert rig.wait_done(2, timeout=3)
     assert {j.event: e.code for j, e in rig.done} == {1: m.Code.CLIENT_GONE,
                                                       2: m.Code.CLIENT_GONE}
-    # The lane's submit thread is still blocked on the client's event (on a GPU, for good
-    # when the client was killed): what it uses (its stream, its gate event, the event
-    # handles) is not freed under it; the client's IPC memory is closed at once (no copy
-    # of it can start any more, and the dead engine's KV cache stays allocated while
-    # mapped).
-    imported = {c[3] for c in fake.of("ipc_open_event_handle")}
-    assert fake.wait_for(lambda: fake.of("ipc_close_mem_handle"))
+    # The lane's submit thread is still blocked on the client's event: nothing it uses
+    # (its stream, its gate event, the client's handles) may be freed under it yet.
     time.sleep(0.05)
-    assert not fake.of("stream_destroy")
-    assert not imported & {c[2] for c in fake.of("event_destroy")}
-    assert rig.engine.stats()["ipc_memory"] == 0 and rig.engine.stats()["retiring"] == 1
+    assert not fake.of("stream_destroy") and not fake.of("ipc_close_mem_handle")
     gate.set()
     gate2.set()
     assert fake.idle()
-    assert fake.wait_for(lambda: imported <= {c[2] for c in fake.of("event_destroy")})
-    assert fake.wait_for(lambda: fake.of("stream_destroy"))  # once it returned
+    assert fake.wait_for(lambda: fake.of("ipc_close_mem_handle"))  # once it returned
     assert len(fake.of("stream_destroy")) == 1
-    assert len(fake.of("ipc_close_mem_handle")) == 1
     assert len(fake.of("stream_wait_event")) == 1 and not copies_of(fake, rig)
     rig.engine.close()
-
-
-def test_d3_shutdown_does_not_wait_for_a_dead_clients_event(fake):
-    """A killed worker's event never completes: the daemon still stops in bounded time,
-    leaving that lane's stream to the process exit (not releasing the context under
-    it)."""
-    rig = Rig(fake)
-    gate, ev = rig.forward()  # never set: the worker died before its forward pass ended
-    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=1, cuda_event=ev))
-    assert fake.wait_for(lambda: fake.of("stream_wait_event"))
-    rig.engine.detach(7)
-    assert rig.wait_done(1) and rig.err(1).code == m.Code.CLIENT_GONE
-    t0 = time.monotonic()
-    rig.engine.close()
-    assert time.monotonic() - t0 < RETIRING_SECONDS + 1.0
-    assert len(fake.of("ipc_close_mem_handle")) == 1
-    assert not fake.of("release_primary_context")
-    gate.set()
 
 
 def test_d3_worker_keeps_its_ring_until_the_daemon_passed_its_waits(fake):

@@ -207,14 +207,12 @@ def test_killed_worker_with_a_store_on_its_event_blocks_nobody(gpu_daemon, worke
         done = b.store(2, range(8), sb)
         assert done[1] == 0, done
         assert time.monotonic() - t0 < 3.0
-        # The dead engine's KV memory is unmapped at once. (The daemon's wait on its
-        # event never ends: that lane's stream and the event handles stay until the
-        # daemon exits, counted as "retiring".)
         st = _status_when(gpu_daemon, lambda s: s["cuda"]["clients"] == 1
-                          and s["cuda"]["ipc_memory"] == b.info["allocations"], timeout=10)
-        assert st["cuda"]["clients"] == 1, st["cuda"]
+                          and s["cuda"]["gone_clients"] == 0 and s["cuda"]["retiring"] == 0,
+                          timeout=30)
+        assert st["cuda"]["clients"] == 1 and st["cuda"]["gone_clients"] == 0, st["cuda"]
         assert st["cuda"]["ipc_memory"] == b.info["allocations"], st["cuda"]
-        print(f"after the kill: {st['cuda']}")
+        assert st["cuda"]["ipc_events"] == b.spec.ring, st["cuda"]
         assert sched.lookup(ka)[0] == 0  # never READY
         assert sched.lookup(kb)[0] == 8
         assert b.call("cuda_ok")[1] == 4
@@ -225,11 +223,6 @@ def test_killed_worker_with_a_store_on_its_event_blocks_nobody(gpu_daemon, worke
         assert sched.lookup(kc)[0] == 8
     finally:
         sched.close()
-    for w in (b, c):
-        w.close()
-    t0 = time.monotonic()
-    assert gpu_daemon.stop(timeout=20) == 0  # SIGTERM: not held by the stuck lane
-    print(f"daemon stopped in {time.monotonic() - t0:.1f}s")
 
 
 def test_a_region_past_its_allocation_is_refused_without_a_sticky_error(gpu_daemon, workers):
