@@ -6,9 +6,10 @@ devices per process), the IPC handle of the allocation that contains the tensor 
 tensor sits inside a larger caching-allocator block), the tensor's offset in it, the
 block stride and the page size. It also sends a ring of interprocess events: after the
 forward pass it records the next free one on its compute stream and names it in the
-store's Transfer; the daemon's store stream waits on it before copying. An event is
-recorded again only after the daemon confirmed its wait was enqueued (``EventWaited``,
-or the Transfer's ``Done``): a wait binds to the record that preceded it.
+store's Transfer; the daemon copies once that record completed (it polls the event).
+An event is recorded again only after the daemon confirmed its wait passed
+(``EventWaited``, or the Transfer's ``Done``): a wait binds to the record that preceded
+it.
 
 Memory that legacy IPC cannot export (PyTorch expandable segments, vLLM sleep mode's
 cuMemCreate allocations), a GPU the daemon cannot see (MIG) and a separate PID namespace

@@ -6,17 +6,22 @@ differ between processes, the engine works in the device's primary context with 
 lane (a non-blocking stream, a submit thread, a completion thread:
 ``kvd.engines.cuda_device``) per client for stores and one per GPU for loads:
 
-    store lane:  expired? -> cudaStreamWaitEvent(ring[i]) -> record gate;
-                 cudaEventSynchronize(gate) (the forward pass ended) -> on_waited(job)
-                 -> expired? -> copy (cuMemcpyBatchAsync, or cudaMemcpyAsync per run)
+    store lane:  expired? -> poll cudaEventQuery(ring[i]) until the forward pass ended
+                 -> on_waited(job) -> expired? -> copy (cuMemcpyBatchAsync, or
+                 cudaMemcpyAsync per run) -> record done
+    load lane:   expired? -> verify checksums -> poll ring[i] (when named) -> copy
                  -> record done
-    load lane:   expired? -> verify checksums -> copy -> record done
     completion:  cudaEventSynchronize(done) -> [store] late? checksum -> on_done(job)
 
-A lane blocked on its client's event blocks nobody else; jobs queued behind it fail at
+The worker's event is polled from the host, never waited on by a daemon stream: on an
+H200, a stream waiting on the event of a worker killed before its stream reached it
+waited for ever, and with it every copy behind it on that stream and the close of that
+worker's IPC memory (cudaIpcCloseMemHandle blocked, and the dead engine's KV cache
+stayed allocated). A poll ends when the work does (deadline, detach, close). A lane
+waiting for its client's event blocks nobody else; jobs queued behind it fail at
 their deadline (the watchdog) or when the client is detached, never later than that
 start. ``on_waited`` lets the daemon tell the worker that event ``i`` may be recorded
-again (or destroyed): the wait on it has passed, not merely been enqueued. Each IPC memory handle is opened
+again (or destroyed): the wait on it has passed. Each IPC memory handle is opened
 once per (client pid, handle), checked against the client's geometry, and closed
 exactly once, after the last copy of the last client using it completed. Copies into
 pool chunks that are not pinned yet are not issued (they would be synchronous): the job
@@ -47,6 +52,10 @@ from kvd_proto.messages import Code, Direction, Register
 log = logging.getLogger("kvd.engines.cuda")
 MAX_EVENTS = 4096  # event-ring entries one client may register
 STOP_SECONDS = 30.0  # how long close() waits for copies in flight
+# Polling a worker's event: the first look again after POLL_FIRST_S, doubling up to
+# POLL_MAX_S (a forward pass ends within milliseconds; a stalled one costs ~1k looks/s).
+POLL_FIRST_S = 50e-6
+POLL_MAX_S = 1e-3
 
 WaitedCallback = Callable[[CopyJob], None]
 # Loads with copies on the GPU at once, per device: the deadline of the next one is
@@ -265,7 +274,8 @@ class CudaEngine(TransferEngine):
             return None  # failed while queued (deadline, detach, close)
         claimed = False
         try:
-            err = self._gate(work, lane) if store else verify_then(job, self.pool)
+            err = None if store else verify_then(job, self.pool)
+            err = err or self._await_worker(work)
             if not store:  # a load's bytes cannot be taken back: no backlog ahead of it
                 lane.wait_room(LOAD_DEPTH, job.deadline)
             err = err or expired(job)
@@ -275,13 +285,6 @@ class CudaEngine(TransferEngine):
             if not self._claim(work):
                 return None  # failed meanwhile (deadline, detach, close)
             claimed = True
-            if not store and job.cuda_event >= 0:
-                # After the worker's stream reached the load (vLLM may still zero the
-                # blocks there): on the GPU, no thread waits.
-                assert isinstance(work.client, Client)
-                self.api.stream_wait_event(lane.stream, work.client.events[job.cuda_event])
-                if self.on_waited is not None:
-                    self.on_waited(job)
             pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
             dsts, srcs = (pool, remote) if store else (remote, pool)
             copy_runs(self.api, dsts, srcs, lengths,
@@ -302,8 +305,11 @@ class CudaEngine(TransferEngine):
             self._end(work, e)
             return None
 
-    def _gate(self, work: Work, lane: Lane) -> Exception | None:
-        """A store waits, on the GPU and then here, for the worker's forward pass."""
+    def _await_worker(self, work: Work) -> Exception | None:
+        """Until the worker's stream passed the event the job names (a store: the forward
+        pass that wrote the blocks; a load: what vLLM queued before it, e.g. zeroing
+        them), polled from this thread (see the module docstring for why not on the
+        GPU). Returns early, with nothing to report, once the work was ended meanwhile."""
         job, c = work.job, work.client
         assert isinstance(c, Client)
         if work.state != QUEUED:
@@ -311,12 +317,15 @@ class CudaEngine(TransferEngine):
         err = expired(job)
         if err is not None or job.cuda_event < 0:
             return err
-        # Binds to the worker's latest record of this event: the forward pass.
-        self.api.stream_wait_event(lane.stream, c.events[job.cuda_event])
-        self.api.event_record(lane.gate, lane.stream)
-        self.api.event_synchronize(lane.gate)  # only this client's lane waits
+        event = c.events[job.cuda_event]  # the worker's latest record of it
+        delay = POLL_FIRST_S
+        while not self.api.event_query(event):
+            if work.state != QUEUED:
+                return None
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_MAX_S)
         if self.on_waited is not None:  # passed: the worker may record it again, or
-            self.on_waited(job)  # destroy it, without a queued wait finding it gone
+            self.on_waited(job)  # destroy it
         return None
 
     def _claim(self, work: Work) -> bool:

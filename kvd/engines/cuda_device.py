@@ -1,10 +1,10 @@
 """The moving parts of the CUDA engine: lanes (a stream and its two threads), the
 per-job state that makes completion exactly-once, and the deadline watchdog.
 
-Why lanes: a stream that waits on a worker's event stops everything enqueued behind it,
-so each client gets its own store lane and a device's loads get one more; a lane that
-hangs (a worker whose forward pass never ends) stops nobody else. Each lane has a submit
-thread, which may block (on its client's event), and a completion thread, which blocks
+Why lanes: a lane waiting for a worker's event stops everything queued behind it, so
+each client gets its own store lane and a device's loads get one more; a lane that waits
+long (a worker whose forward pass never ends) stops nobody else. Each lane has a submit
+thread, which may wait (polling its client's event), and a completion thread, which blocks
 in ``cudaEventSynchronize`` on the lane's own completion events (created with blocking
 sync: no polling, no spinning core), in stream order.
 """
@@ -52,7 +52,6 @@ class Lane:
         self._start, self._end = start, end
         api.set_current_context(ctx)
         self.stream = api.stream_create()
-        self.gate = api.event_create(blocking=True)  # "the worker's event has passed"
         self.todo: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[Work, int] | None] = queue.SimpleQueue()
         self._free: list[int] = []
@@ -129,7 +128,7 @@ class Lane:
         """Free the stream and events (after ``stop``); the errors, to log."""
         errors = []
         self.api.set_current_context(self.ctx)
-        for call, arg in [*((self.api.event_destroy, e) for e in [self.gate, *self._free]),
+        for call, arg in [*((self.api.event_destroy, e) for e in self._free),
                           (self.api.stream_destroy, self.stream)]:
             try:
                 call(arg)

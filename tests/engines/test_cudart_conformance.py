@@ -91,9 +91,13 @@ def _drive(api: Recorder, fake: FakeCuda, tmp_path, driver: int) -> None:
     pinner.release()
     path = tmp_path / f"pool{driver}"
     path.write_bytes(bytes(1 << 16))
+    cc_stream = api.stream_create()
     cc = ClientCopier(m.Registered(1, 1, 4096, 4096, str(path), 1 << 16, 16), 0, [t],
-                      api.stream_create(), api)
+                      cc_stream, api)
     cc.wait(cc.start(m.Direction.STORE, arr([1]), arr([2])))
+    order = api.event_create()  # ClientCopyPath: a load after the compute stream's work
+    api.event_record(order, compute)
+    api.stream_wait_event(cc_stream, order)
     token = cc.start(m.Direction.LOAD, arr([1]), arr([2]))
     fake.idle()
     assert cc.done(token)

@@ -213,6 +213,7 @@ def test_killed_worker_with_a_store_on_its_event_blocks_nobody(gpu_daemon, worke
         assert st["cuda"]["clients"] == 1 and st["cuda"]["gone_clients"] == 0, st["cuda"]
         assert st["cuda"]["ipc_memory"] == b.info["allocations"], st["cuda"]
         assert st["cuda"]["ipc_events"] == b.spec.ring, st["cuda"]
+        print(f"after the kill: {st['cuda']}")
         assert sched.lookup(ka)[0] == 0  # never READY
         assert sched.lookup(kb)[0] == 8
         assert b.call("cuda_ok")[1] == 4
@@ -221,8 +222,17 @@ def test_killed_worker_with_a_store_on_its_event_blocks_nobody(gpu_daemon, worke
         kc = keys(8, "after")
         assert c.store(3, range(8), sched.allocate(kc))[1] == 0
         assert sched.lookup(kc)[0] == 8
+        hits, hit_slots, lease = sched.lookup(kb)
+        assert hits == 8
+        assert c.load(4, range(20, 28), hit_slots, lease)[1] == 0
+        assert c.digest(range(20, 28)) == b.digest(range(8))
     finally:
         sched.close()
+    for w in (b, c):
+        w.close()
+    t0 = time.monotonic()
+    assert gpu_daemon.stop(timeout=20) == 0  # SIGTERM: nothing left waiting on the dead
+    print(f"daemon stopped in {time.monotonic() - t0:.1f}s")
 
 
 def test_a_region_past_its_allocation_is_refused_without_a_sticky_error(gpu_daemon, workers):
