@@ -44,8 +44,7 @@ from kvd.engines.cuda_handles import (  # noqa: F401 - refuse_...: the service's
     Client, Device, Handles, format_uuid, refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner
-from kvd_client.cudart import (ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES,
-                               CudaApi, copy_runs)
+from kvd_client.cudart import ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES, CudaApi
 from kvd_client.runs import coalesce
 from kvd_proto.messages import Code, Direction, Register
 
@@ -287,8 +286,7 @@ class CudaEngine(TransferEngine):
             claimed = True
             pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
             dsts, srcs = (pool, remote) if store else (remote, pool)
-            copy_runs(self.api, dsts, srcs, lengths,
-                      ACCESS_ORDER_STREAM if store else ACCESS_ORDER_ANY, lane.stream)
+            lane.copy(dsts, srcs, lengths, ACCESS_ORDER_STREAM if store else ACCESS_ORDER_ANY)
             ev = lane.done_event()
             self.api.event_record(ev, lane.stream)
             return ev
@@ -299,7 +297,7 @@ class CudaEngine(TransferEngine):
             # Part of the copies may be on the stream already: no Done before they ran
             # (a load's client would reuse its blocks under them).
             try:
-                self.api.stream_synchronize(lane.stream)
+                lane.synchronize()
             except Exception as sync_error:  # noqa: BLE001 - a sticky error: nothing runs
                 log.warning("CUDA: synchronising after a failed enqueue: %s", sync_error)
             self._end(work, e)

@@ -6,7 +6,9 @@ each client gets its own store lane and a device's loads get one more; a lane th
 long (a worker whose forward pass never ends) stops nobody else. Each lane has a submit
 thread, which may wait (polling its client's event), and a completion thread, which blocks
 in ``cudaEventSynchronize`` on the lane's own completion events (created with blocking
-sync: no polling, no spinning core), in stream order.
+sync: no polling, no spinning core), in stream order. A lane copies on up to
+``COPY_STREAMS`` streams: a job of many runs is split over them (one batched copy per
+stream) and joined back on the lane's main stream, so one event there completes it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvd.engines.base import CopyJob
-from kvd_client.cudart import CudaApi
+from kvd_client.cudart import CudaApi, copy_runs
 
 QUEUED, COPYING, FINISHED = 0, 1, 2
+# Streams a lane splits a job's copies over: the copy engines then overlap the per-copy
+# costs of small copies. Measured on an H200 (PCIe Gen5, memcpy 55 GB/s), 1 GiB in 64 KiB
+# copies: 42 GB/s on one stream, 44-49 on two, 48-50 on four; 256 KiB: 50 -> 53.
+COPY_STREAMS = 4
+SPLIT_MIN_RUNS = 32  # fewer runs per stream gain nothing over the extra calls
 
 
 @dataclass(eq=False)
@@ -52,6 +61,9 @@ class Lane:
         self._start, self._end = start, end
         api.set_current_context(ctx)
         self.stream = api.stream_create()
+        self.helpers = [api.stream_create() for _ in range(COPY_STREAMS - 1)]
+        self._fork = api.event_create()
+        self._joins = [api.event_create() for _ in self.helpers]
         self.todo: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[Work, int] | None] = queue.SimpleQueue()
         self._free: list[int] = []
@@ -64,6 +76,35 @@ class Lane:
                                          name=f"kvd-cuda-done-{name}")]
         for t in self.threads:
             t.start()
+
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray,
+             access_order: int) -> None:
+        """Enqueue the copies (submit thread only), split over the lane's streams when
+        there are many, all joined back on ``stream``: what is recorded on it next
+        completes after every one of them. A fork event orders the helpers after what
+        ``stream`` holds. (The events are the lane's own: a wait binds to the record
+        before it, so reusing them per job is safe.)"""
+        parts = min(COPY_STREAMS, len(lengths) // SPLIT_MIN_RUNS)
+        if parts <= 1:
+            copy_runs(self.api, dsts, srcs, lengths, access_order, self.stream)
+            return
+        helpers = self.helpers[:parts - 1]
+        self.api.event_record(self._fork, self.stream)
+        for h in helpers:
+            self.api.stream_wait_event(h, self._fork)
+        bounds = np.linspace(0, len(lengths), parts + 1).astype(np.int64).tolist()
+        for i, stream in enumerate([self.stream, *helpers]):
+            lo, hi = bounds[i], bounds[i + 1]
+            copy_runs(self.api, dsts[lo:hi], srcs[lo:hi], lengths[lo:hi], access_order,
+                      stream)
+        for h, join in zip(helpers, self._joins):
+            self.api.event_record(join, h)
+            self.api.stream_wait_event(self.stream, join)
+
+    def synchronize(self) -> None:
+        """Wait for everything enqueued on the lane's streams (after a failed enqueue)."""
+        for s in (self.stream, *self.helpers):
+            self.api.stream_synchronize(s)
 
     def done_event(self) -> int:
         """A completion event for the copies just enqueued (submit thread only)."""
@@ -128,8 +169,9 @@ class Lane:
         """Free the stream and events (after ``stop``); the errors, to log."""
         errors = []
         self.api.set_current_context(self.ctx)
-        for call, arg in [*((self.api.event_destroy, e) for e in self._free),
-                          (self.api.stream_destroy, self.stream)]:
+        events = [*self._free, self._fork, *self._joins]
+        for call, arg in [*((self.api.event_destroy, e) for e in events),
+                          *((self.api.stream_destroy, s) for s in (self.stream, *self.helpers))]:
             try:
                 call(arg)
             except Exception as e:  # noqa: BLE001 - shutting down: the caller logs

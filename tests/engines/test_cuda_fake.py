@@ -20,6 +20,7 @@ import pytest
 import xxhash
 
 from kvd.engines.base import ChecksumSpec, CopyJob
+from kvd.engines.cuda_device import COPY_STREAMS, SPLIT_MIN_RUNS
 from kvd.engines.cuda import (ClientCopyEngine, CudaEngine, gpu_path,
                               refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
@@ -117,7 +118,7 @@ class Rig:
     def lanes(self) -> tuple[int, int]:
         """(load lane, this client's store lane) streams, from the fake's record."""
         made = [c[2] for c in self.fake.of("stream_create")]
-        mine = made[made.index(self.compute) + 1:]
+        mine = made[made.index(self.compute) + 1:][::COPY_STREAMS]  # each lane's main one
         if len(mine) == 1 or len(mine) > 1 and self.client != 7:
             return made[1], mine[0]  # the engine existed: the load lane came earlier
         return mine[0], mine[1]
@@ -256,6 +257,32 @@ def test_contiguous_runs_coalesce(fake):
     assert rig.wait_done()
     (call,) = fake.of("memcpy_batch")
     assert call[5].tolist() == [3 * 4096, 4096]
+    rig.engine.close()
+
+
+def test_many_runs_are_split_over_the_lanes_streams_and_done_waits_for_all(fake):
+    """40 layers x 8 blocks, nothing adjacent: 320 runs, split over the lane's
+    COPY_STREAMS streams (the copy engines overlap per-copy costs); the Done waits for
+    the slowest of them."""
+    rig = Rig(fake, pages=(256,) * 40)
+    _, main = rig.lanes()
+    made = [c[2] for c in fake.of("stream_create")]
+    helpers = made[made.index(main) + 1:made.index(main) + COPY_STREAMS]
+    assert 320 // SPLIT_MIN_RUNS >= COPY_STREAMS
+    hold = fake.launch(helpers[-1])  # one copy engine is busy
+    slots = list(range(0, 16, 2))
+    rig.engine.submit(rig.job(m.Direction.STORE, range(8), slots))
+    assert fake.wait_for(lambda: len(fake.of("memcpy_batch")) == COPY_STREAMS)
+    calls = fake.of("memcpy_batch")
+    assert [c[2] for c in calls] == [main, *helpers]
+    assert sum(len(c[5]) for c in calls) == 320
+    time.sleep(0.05)
+    assert not rig.done  # the last part has not run
+    hold.set()
+    assert rig.wait_done() and rig.done[0][1] is None
+    for b, slot in enumerate(slots):
+        for layer in (0, 17, 39):
+            assert np.array_equal(rig.slot_bytes(slot, layer), rig.block_bytes(b, layer))
     rig.engine.close()
 
 
@@ -404,7 +431,7 @@ def test_d3_a_gone_clients_queued_jobs_fail_before_their_wait(fake):
     # it, ends the lane and closes the handles all the same (the dead engine's KV
     # memory stays allocated on the GPU while the daemon maps it).
     assert fake.wait_for(lambda: fake.of("ipc_close_mem_handle"))
-    assert len(fake.of("stream_destroy")) == 1
+    assert len(fake.of("stream_destroy")) == COPY_STREAMS  # the lane's
     assert rig.engine.stats()["retiring"] == 0 and rig.engine.stats()["ipc_events"] == 0
     assert not copies_of(fake, rig)
     t0 = time.monotonic()
