@@ -138,7 +138,7 @@ class EventRing:
     """Interprocess events the worker records after forward passes, reused safely.
 
     Rule: ``record_next`` hands out an event only when the daemon confirmed the previous
-    wait on it was enqueued (``waited``). When all are in use it returns None: the caller
+    wait on it passed (``waited``). When all are in use it returns None: the caller
     synchronises its stream and sends ``cuda_event=-1``, or skips the store.
     """
 
@@ -173,7 +173,7 @@ class EventRing:
         return i
 
     def waited(self, index: int) -> None:
-        """The daemon's wait on ``index`` is enqueued (EventWaited, or the store's Done)."""
+        """The daemon's wait on ``index`` passed (EventWaited, or the transfer's Done)."""
         with self._lock:
             if index in self._busy:  # idempotent: EventWaited then Done both arrive
                 self._busy.discard(index)

@@ -346,7 +346,7 @@ class Transfers:
         self.committed()  # a commit is journaled before its Done leaves
 
     def event_waited(self, job: CopyJob) -> None:
-        """On the loop: the store's wait on its CUDA event is enqueued; the worker may
+        """On the loop: the transfer's wait on its CUDA event passed; the worker may
         record that event again (always before the job's Done)."""
         client = self.owners.get(job)
         if client is not None:

@@ -232,7 +232,7 @@ class Done(_Msg, tag="done"):
 
 
 class EventWaited(_Msg, tag="event_waited"):
-    """Pushed when the daemon enqueued its wait on the CUDA event a store named: from now
+    """Pushed when the daemon's wait on the CUDA event a transfer named passed: from now
     on the client may record that event again. Always before the Transfer's Done."""
 
     req: int
