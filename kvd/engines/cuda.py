@@ -9,7 +9,7 @@ lane (a non-blocking stream, a submit thread, a completion thread:
     store lane:  expired? -> poll cudaEventQuery(ring[i]) until the forward pass ended
                  -> on_waited(job) -> expired? -> copy (cuMemcpyBatchAsync, or
                  cudaMemcpyAsync per run) -> record done
-    load lane:   expired? -> verify checksums -> poll ring[i] (when named) -> copy
+    load lane:   verify checksums -> expired? -> poll ring[i] (when named) -> copy
                  -> record done
     completion:  cudaEventSynchronize(done) -> [store] late? checksum -> on_done(job)
 
@@ -17,10 +17,11 @@ The worker's event is polled from the host, never waited on by a daemon stream: 
 H200, a stream waiting on the event of a worker killed before its stream reached it
 waited for ever, and with it every copy behind it on that stream and the close of that
 worker's IPC memory (cudaIpcCloseMemHandle blocked, and the dead engine's KV cache
-stayed allocated). A poll ends when the work does (deadline, detach, close). A lane
-waiting for its client's event blocks nobody else; jobs queued behind it fail at
-their deadline (the watchdog) or when the client is detached, never later than that
-start. ``on_waited`` lets the daemon tell the worker that event ``i`` may be recorded
+stayed allocated). A poll ends when the work does (deadline, detach, close). A store
+lane waiting for its client's event blocks nobody else; a load naming an event that
+does not complete holds up the loads of that GPU behind it until its deadline or its
+client's detach. Jobs queued behind a wait fail at their deadline (the watchdog) or
+when the client is detached, never later than that start. ``on_waited`` lets the daemon tell the worker that event ``i`` may be recorded
 again (or destroyed): the wait on it has passed. Each IPC memory handle is opened
 once per (client pid, handle), checked against the client's geometry, and closed
 exactly once, after the last copy of the last client using it completed. Copies into
@@ -190,8 +191,8 @@ class CudaEngine(TransferEngine):
     def _maybe_release(self, c: Client, wait: float = 0.0) -> None:
         """Once a gone client has no copies on the GPU: end its lane, then close its
         handles. Without ``wait`` it never joins: the lane's submit thread may still be
-        blocked on the client's event, and the lane frees itself and the handles once
-        that returned. With ``wait`` (shutdown) it joins the lane that long."""
+        in a poll of the client's event (it ends at its next look) or a copy call, and
+        the lane frees itself and the handles once that returned. With ``wait`` (shutdown) it joins the lane that long."""
         with self._lock:
             if not c.gone or c.copying or c.released:
                 return
@@ -205,8 +206,8 @@ class CudaEngine(TransferEngine):
             if lane.stop(wait):
                 self._retired(c, lane.destroy())
             else:
-                log.warning("GPU %s: the store lane of pid %d is still blocked on its "
-                            "event; its handles stay open", format_uuid(c.device.uuid), c.pid)
+                log.warning("GPU %s: the store lane of pid %d did not end in time; its "
+                            "handles stay open", format_uuid(c.device.uuid), c.pid)
         else:
             lane.retire(lambda errors: self._retired(c, errors, lane))
 
@@ -317,9 +318,15 @@ class CudaEngine(TransferEngine):
             return err
         event = c.events[job.cuda_event]  # the worker's latest record of it
         delay = POLL_FIRST_S
-        while not self.api.event_query(event):
-            if work.state != QUEUED:
-                return None
+        while True:
+            # Under the lock: a work still QUEUED means its client is attached, so its
+            # event handles are open (a load lane polls for every client of its GPU, and
+            # a gone client's events are destroyed under this lock).
+            with self._lock:
+                if work.state != QUEUED:
+                    return None
+                if self.api.event_query(event):
+                    break
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
         if self.on_waited is not None:  # passed: the worker may record it again, or

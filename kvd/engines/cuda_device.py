@@ -8,7 +8,8 @@ thread, which may wait (polling its client's event), and a completion thread, wh
 in ``cudaEventSynchronize`` on the lane's own completion events (created with blocking
 sync: no polling, no spinning core), in stream order. A lane copies on up to
 ``COPY_STREAMS`` streams: a job of many runs is split over them (one batched copy per
-stream) and joined back on the lane's main stream, so one event there completes it.
+stream, or its runs one by one on drivers older than 12.8) and joined back on the lane's
+main stream, so one event there completes it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class Work:
 
 
 class Lane:
-    """A non-blocking stream in ``ctx`` with a submit thread and a completion thread.
+    """Non-blocking streams in ``ctx`` (``stream`` and its copy helpers) with a submit
+    thread and a completion thread.
 
     ``start(work, lane)`` runs on the submit thread and returns the completion event of
     the copies it enqueued, or None when it finished the work itself; ``end(work, error)``
@@ -102,9 +104,16 @@ class Lane:
             self.api.stream_wait_event(self.stream, join)
 
     def synchronize(self) -> None:
-        """Wait for everything enqueued on the lane's streams (after a failed enqueue)."""
+        """Wait for everything enqueued on the lane's streams (after a failed enqueue),
+        each stream even when another one fails; the first error is raised."""
+        errors = []
         for s in (self.stream, *self.helpers):
-            self.api.stream_synchronize(s)
+            try:
+                self.api.stream_synchronize(s)
+            except Exception as e:  # noqa: BLE001 - raised below, after the others
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def done_event(self) -> int:
         """A completion event for the copies just enqueued (submit thread only)."""
@@ -151,7 +160,7 @@ class Lane:
 
     def retire(self, then: Callable[[list[Exception]], None]) -> None:
         """End the lane without waiting: its threads finish what they hold (the submit
-        thread may be blocked on a client's event), then the completion thread frees the
+        thread may be waiting for a client's event), then the completion thread frees the
         stream and events and calls ``then(errors)``. Nothing is freed under a thread
         still using it."""
         self._retired = then
@@ -181,7 +190,7 @@ class Lane:
 
 
 class Watchdog:
-    """Fails queued work whose deadline passed while its lane was blocked (a client's
+    """Fails queued work whose deadline passed while its lane was waiting (a client's
     event that does not complete): ``expire(work)`` is called at the deadline and does
     nothing to work that started copying meanwhile. One thread, sleeping until the
     earliest deadline: no polling."""

@@ -441,6 +441,46 @@ def test_d3_a_gone_clients_queued_jobs_fail_before_their_wait(fake):
     gate2.set()
 
 
+def test_d3_a_load_lane_never_polls_an_event_of_a_client_already_gone(fake, monkeypatch):
+    """The GPU's load lane polls a load's event; the client goes between two looks and
+    its store lane destroys its events. The next look must not touch the destroyed event
+    (on a GPU: undefined, or another event's answer once the handle is reused)."""
+    from kvd.engines import cuda as cuda_mod
+
+    rig = Rig(fake)
+    gate, ev = rig.forward()  # the worker's event does not complete
+    imported = {c[3] for c in fake.of("ipc_open_event_handle")}
+    destroyed: set[int] = set()
+    late: list[int] = []
+    destroy, query, sleep = fake.event_destroy, fake.event_query, time.sleep
+
+    def event_destroy(e: int) -> None:
+        destroyed.add(e)
+        destroy(e)
+
+    def event_query(e: int) -> bool:
+        if e in destroyed:
+            late.append(e)
+        return query(e)
+
+    def between_looks(d: float) -> None:  # the client goes while the lane sleeps
+        if threading.current_thread().name.startswith("kvd-cuda-load") and not destroyed:
+            rig.engine.detach(7)
+            fake.wait_for(lambda: imported <= destroyed, 2)
+        sleep(d)
+
+    monkeypatch.setattr(fake, "event_destroy", event_destroy)
+    monkeypatch.setattr(fake, "event_query", event_query)
+    monkeypatch.setattr(cuda_mod.time, "sleep", between_looks)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [0], [0], event=1, cuda_event=ev))
+    assert rig.wait_done(1) and rig.err(1).code == m.Code.CLIENT_GONE
+    assert fake.wait_for(lambda: imported <= destroyed, 2)
+    sleep(0.05)
+    assert late == []
+    gate.set()
+    rig.engine.close()
+
+
 def test_d3_worker_keeps_its_ring_until_the_daemon_passed_its_waits(fake):
     rig = Rig(fake)
     gate, ev = rig.forward()
