@@ -21,7 +21,7 @@ from kvd_client.cudart import gpu_available
 from kvd_proto import messages as m
 from kvd_proto.ids import unpack_u32
 
-from tests.engines.gpu_worker import GpuSpec, GpuWorker, fingerprint
+from tests.engines.gpu_worker import GpuSpec, GpuWorker, fingerprint, page_bytes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
@@ -126,19 +126,13 @@ def test_torch_tensors_at_offsets_store_then_load_exactly(gpu_daemon, workers, l
         assert hits == 16
         assert b.digest(dst) != a.digest(src)
         done = b.load(2, dst, hit_slots, lease)
-        assert done[1] == 0 and done[3] == 16 * sum(spec_pages(spec)), done
+        assert done[1] == 0 and done[3] == 16 * sum(page_bytes(spec)), done
         assert b.digest(dst) == a.digest(src)
         st = gpu_daemon.status()
         assert st["cuda"]["clients"] == 2 and st["cuda"]["gpus"] == 1, st["cuda"]
         assert st["cuda"]["ipc_memory"] == a.info["allocations"] + b.info["allocations"]
     finally:
         sched.close()
-
-
-def spec_pages(spec: GpuSpec) -> list[int]:
-    from tests.engines.gpu_worker import page_bytes
-
-    return page_bytes(spec)
 
 
 def test_stores_copy_what_the_forward_pass_wrote_last(gpu_daemon, workers):
