@@ -10,18 +10,34 @@ scheduler reads it right after building the connector) and reports the worker's 
 loads through ``get_block_ids_with_load_errors``, so vLLM recomputes those tokens.
 It also hands each arriving request's keys to the manager, whose Lookup then goes out
 before the request's first scheduling pass instead of parking it for a step.
+
+Synchronous loads (``sync_loads``, vLLM 0.32; 0.33 has its own): vLLM's offloading
+connector loads a hit asynchronously, so the request computes only in the step after its
+load was reported, and on CPU the load is sent only after the step's (synchronous)
+forward pass: two whole steps of waiting for a copy of a few milliseconds. Here a hit is
+scheduled in the step that loads it: the scheduler answers ``load_async=False``, the
+metadata names those jobs, and the worker waits for them (short deadline) before the
+forward pass. A failed one is reported like any failed load; vLLM then drops that
+request's output of the step and recomputes from the first failed block.
 """
 
 from __future__ import annotations
 
 import logging
 
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.kv_offload.base import make_offload_key
 
-from kvd_client.vllm.version import check_vllm_version
+from kvd_client.vllm.options import KvdOptions
+from kvd_client.vllm.version import check_vllm_version, vllm_minor
 
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 SPEC_NAME = "KvdOffloadingSpec"
@@ -57,12 +73,31 @@ def prepare_config(vllm_config: object) -> None:
                  "\"fail\"): a block kvd fails to load is recomputed, the request goes on")
 
 
+def sync_loads_on(vllm_config: object, options: KvdOptions) -> bool:
+    """Whether this engine's hits load before the forward pass of the step they join."""
+    if vllm_minor() != (0, 32) or options.sync_loads == "off":
+        return False
+    device = vllm_config.device_config.device_type  # type: ignore[attr-defined]
+    return options.sync_loads == "on" or device == "cpu"
+
+
+@dataclass
+class KvdConnectorMetadata(OffloadingConnectorMetadata):
+    sync_load_jobs: frozenset[int] = field(default_factory=frozenset)
+
+
 class KvdConnector(OffloadingConnector):
     reports_kvd_load_errors = True  # the worker need not patch this connector
 
     def __init__(self, vllm_config, role, kv_cache_config) -> None:  # type: ignore[no-untyped-def]
         prepare_config(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        options = KvdOptions.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self._sync_loads = sync_loads_on(vllm_config, options)
+        self._block_tokens = vllm_config.cache_config.block_size
+        # scheduler: hits answered load_async=False -> the local hit they extend (tokens)
+        self._sync_reqs: dict[str, int] = {}
+        self._sync_waited: set[str] = set()  # worker: their requests, until get_finished
 
     def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
         super().on_new_request(request)
@@ -74,7 +109,113 @@ class KvdConnector(OffloadingConnector):
             "prefetch", lambda: None,
             lambda: prefetch(request.request_id, request_keys(self.connector_scheduler, request)))
 
+    def shutdown(self) -> None:
+        """vLLM defers each step's stores to the start of the next step, and its worker
+        drops the deferred ones at shutdown: the blocks of an engine's last step never
+        reached kvd, so the engine restarted in its place recomputed them. They go out
+        here; the worker's shutdown then waits for them (the KV cache is still there)."""
+        cw = self.connector_worker
+        worker = cw.worker if cw is not None else None
+        deferred = getattr(cw, "_unsubmitted_store_jobs", None)
+        if worker is not None and deferred:
+            for job_id, src, dst in deferred:  # as vLLM submits them (kvd's never raise)
+                worker.submit_store(job_id, src, dst)
+            deferred.clear()
+        super().shutdown()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.connector_worker.worker if self.connector_worker is not None else None
         take = getattr(worker, "take_load_errors", None)
         return take() if take is not None else set()
+
+    # ------------------------------------------------ synchronous loads: scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        hits, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens,
+                                                              *args, **kwargs)
+        if not self._sync_loads:
+            return hits, load_async
+        self._sync_reqs.pop(request.request_id, None)
+        # A hit of the whole prompt stays async: vLLM recomputes its last token only
+        # on that path.
+        if hits and load_async and num_computed_tokens + hits < request.num_tokens:
+            self._sync_reqs[request.request_id] = num_computed_tokens
+            return hits, False
+        return hits, load_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # type: ignore[no-untyped-def]
+        local = self._sync_reqs.get(request.request_id)
+        if local is not None and num_external_tokens:
+            # vLLM 0.32's offloading scheduler loads into the blocks past the local hit
+            # that are not cached yet: an async load's blocks are cached only once it
+            # ended, a synchronous load's at allocation. Show it the async view.
+            end = -(-(local + num_external_tokens) // self._block_tokens)
+            blocks = _uncached(blocks, local // self._block_tokens, end)
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
+        if not self._sync_loads:
+            return super().build_connector_meta(scheduler_output)
+        # vLLM 0.32 stores none of a request's blocks while a load of it is pending (an
+        # async load's request computes nothing meanwhile). A synchronous load's request
+        # computes in its load step, and the blocks it computes are not the ones loaded:
+        # they may be stored (their copy starts next step, after the load ended).
+        sched = self.scheduler
+        loading = [(sched._req_status[t.req_id].transfer_jobs, job)
+                   for job, t in sched._current_batch_load_jobs.items()
+                   if t.req_id in self._sync_reqs]
+        for jobs, job in loading:
+            jobs.discard(job)
+        try:
+            meta = super().build_connector_meta(scheduler_output)
+        finally:
+            for jobs, job in loading:
+                jobs.add(job)
+        sync = frozenset(job for job, t in meta.load_jobs.items() if t.req_id in self._sync_reqs)
+        self._sync_reqs.clear()
+        if meta.load_jobs:
+            # Also the async ones (a whole-prompt hit) go out before the forward pass,
+            # not after it: on CPU that pass is synchronous and takes the whole step.
+            scheduler_output.has_sync_kv_loads = True
+        return KvdConnectorMetadata(meta.load_jobs, meta.store_jobs, meta.jobs_to_flush,
+                                    sync_load_jobs=sync)
+
+    # ------------------------------------------------ synchronous loads: worker side
+    def start_load_kv(self, forward_context, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        meta = self._connector_metadata
+        sync = getattr(meta, "sync_load_jobs", frozenset())
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        expedite = getattr(worker, "expedite", None)
+        if sync and expedite is not None:
+            expedite(set(sync))
+            worker.boundary.count("load.sync", len(sync))  # type: ignore[union-attr]
+        super().start_load_kv(forward_context, **kwargs)
+        if sync:
+            # Bounded: each job ends by its deadline plus grace (a failed one is a
+            # load error, recomputed by vLLM).
+            worker.wait(set(sync))  # type: ignore[union-attr]
+            self._sync_waited.update(meta.load_jobs[j].req_id for j in sync)  # type: ignore[union-attr]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """A synchronous load's request is running, not waiting for its KV: vLLM must not
+        hear of it as received (it asserts such a request finished)."""
+        sending, recving = super().get_finished(finished_req_ids)
+        if self._sync_waited:
+            recving -= self._sync_waited
+            self._sync_waited.clear()
+        return sending, recving
+
+
+@dataclass(slots=True)
+class _Uncached:
+    """A block as an async load's allocation leaves it: not in the prefix cache yet."""
+
+    block_id: int
+    is_null: bool
+    block_hash: None = None
+
+
+def _uncached(blocks: KVCacheBlocks, start: int, end: int) -> KVCacheBlocks:
+    return KVCacheBlocks(tuple(
+        [*group[:start], *(_Uncached(b.block_id, b.is_null) for b in group[start:end]),
+         *group[end:]] for group in blocks.blocks))
+

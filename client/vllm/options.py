@@ -34,7 +34,19 @@ class KvdOptions:
     # A Transfer's deadline: the daemon starts no copy for it later than this after it
     # was sent; without a Done, the job fails once this plus the protocol's grace passed.
     transfer_timeout_ms: int = 5_000
+    # Loads that run before the step's forward pass (the request computes in the step
+    # its hit is loaded, instead of waiting for the next ones): "auto" = on for engines
+    # on CPU, where a step is long and a load short; "on"; "off" (vLLM's async loads).
+    sync_loads: str = "auto"
+    # A synchronous load's deadline: the forward pass waits for it at most this plus
+    # the protocol's grace, then computes those tokens instead.
+    sync_load_timeout_ms: int = 500
     keep_load_failure_policy: bool = False  # keep vLLM's "fail" instead of "recompute"
+
+    def __post_init__(self) -> None:
+        if self.sync_loads not in ("auto", "on", "off"):
+            raise ValueError(f"kvd: sync_loads must be \"auto\", \"on\" or \"off\", "
+                             f"not {self.sync_loads!r}")
 
     @classmethod
     def from_extra(cls, extra: dict) -> KvdOptions:

@@ -9,17 +9,26 @@ class UnsupportedVllmVersion(ImportError):
     pass
 
 
-def check_vllm_version(version: str | None = None) -> None:
-    """Raise UnsupportedVllmVersion unless vLLM is a release kvd was written for."""
+def vllm_minor(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version``, else of the installed vLLM; (-1, -1) if unreadable."""
     if version is None:
         import vllm  # noqa: PLC0415
 
         version = vllm.__version__
     parts = version.split(".")
     try:
-        major_minor = (int(parts[0]), int(parts[1]))
+        return int(parts[0]), int(parts[1])
     except (ValueError, IndexError):
-        major_minor = (-1, -1)
+        return -1, -1
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise UnsupportedVllmVersion unless vLLM is a release kvd was written for."""
+    if version is None:
+        import vllm  # noqa: PLC0415
+
+        version = vllm.__version__
+    major_minor = vllm_minor(version)
     if major_minor not in SUPPORTED:
         raise UnsupportedVllmVersion(
             f"kvd_client.vllm supports vLLM 0.32 and 0.33, found vLLM {version}; install "

@@ -119,6 +119,7 @@ class KvdWorker(OffloadingWorker):
         self._jobs: dict[int, _Job] = {}  # submitted, Done not yet seen
         self._finished: list[TransferResult] = []
         self._load_errors: set[int] = set()
+        self._expedited: set[int] = set()  # loads the forward pass waits for
         self.conn = Connection(
             options.socket, name=f"vllm-worker{rank}", timeout=options.call_timeout_ms / 1000,
             transfer_timeout=options.transfer_timeout_ms / 1000,
@@ -137,7 +138,10 @@ class KvdWorker(OffloadingWorker):
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
-        """``expedited`` (vLLM 0.33 sync loads) changes nothing here: ``wait`` follows."""
+        """``expedited`` (vLLM 0.33 sync loads; KvdConnector's on 0.32, see ``expedite``):
+        the forward pass waits for it (``wait`` follows), so its deadline is short."""
+        if expedited:
+            self._expedited.add(job_id)
         self.boundary.guard("submit_load", lambda: self._fail_load(job_id, dst_spec.block_ids),
                             lambda: self._submit(job_id, True, dst_spec, src_spec))
         return True
@@ -145,6 +149,8 @@ class KvdWorker(OffloadingWorker):
     def _submit(self, job_id: int, load: bool, gpu: GPULoadStoreSpec,
                 slots_spec: LoadStoreSpec) -> None:
         blocks = np.asarray(gpu.block_ids, dtype=np.int64)
+        expedited = job_id in self._expedited  # the submitting thread's own set
+        self._expedited.discard(job_id)
         why = _unusable(slots_spec, blocks, self.conn) or self.path.before_send(
             load, blocks, slots_spec.slots, self.conn)  # type: ignore[union-attr]
         if why:
@@ -156,13 +162,16 @@ class KvdWorker(OffloadingWorker):
         cuda_event = self.path.order_event()
         with self._cond:
             self._jobs[job_id] = _Job(load, blocks, cuda_event)
+        # 0: the connection stamps its transfer_timeout.
+        deadline = (time.monotonic_ns() + self.options.sync_load_timeout_ms * 1_000_000
+                    if expedited else 0)
         # The instance is checked again as it goes out (on the connection's thread): a
         # daemon restarted since the check above must not get these slots.
         sent = self.conn.send(m.Transfer(self.conn.next_req(), job_id,
                                          m.Direction.LOAD if load else m.Direction.STORE,
                                          pack_u32(blocks), pack_u32(slots_spec.slots),
                                          cuda_event, slots_spec.ticket,
-                                         lease=slots_spec.lease),
+                                         lease=slots_spec.lease, deadline_ns=deadline),
                               instance=slots_spec.instance)
         if not sent:  # went down in between: nothing will answer
             self._on_done(m.Done(0, job_id, m.Code.CLIENT_GONE, "kvd not connected"))
@@ -196,6 +205,11 @@ class KvdWorker(OffloadingWorker):
         with self._cond:
             self._load_errors.update(np.asarray(block_ids).tolist())
         self._complete(job_id)
+
+    def expedite(self, job_ids: set[int]) -> None:
+        """The next loads among ``job_ids`` are waited for before the forward pass (vLLM
+        0.32 passes no ``expedited`` flag; KvdConnector says so before submitting)."""
+        self._expedited.update(job_ids)
 
     def get_finished(self) -> list[TransferResult]:
         with self._cond:

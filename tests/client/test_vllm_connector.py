@@ -621,3 +621,39 @@ def test_a_handshake_that_never_ends_costs_one_request_the_deadline(tmp_path, da
     finally:
         fresh.shutdown()
         relay.close()
+
+
+def test_an_expedited_load_ends_by_its_own_short_deadline(daemon):
+    """A load the forward pass waits for (vLLM 0.33's ``expedited``, KvdConnector's
+    synchronous loads via ``expedite``) carries ``sync_load_timeout_ms`` as its deadline:
+    with the daemon paused, the wait ends after it plus the grace, not after
+    ``transfer_timeout_ms``, and the blocks are reported for recompute."""
+    fp = make_fingerprint(FACTS, b"root")
+    caches, storage = kv_caches()
+    opts = options(daemon.socket, transfer_timeout_ms=20_000, sync_load_timeout_ms=200)
+    mgr, worker = KvdManager(opts, fp, FACTS), KvdWorker(opts, fp, caches, rank=0)
+    try:
+        assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
+        spec = stored_then_hit(mgr, worker, "sync")
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            worker.expedite({7})
+            assert worker.submit_load(7, spec, gpu([30, 31]))
+            started = time.monotonic()
+            worker.wait({7})
+            waited = time.monotonic() - started
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert waited < 0.2 + m.EXPIRY_GRACE_NS / 1e9 + 1.5, waited  # not the 20 s one
+        assert [r.job_id for r in worker.get_finished()] == [7]
+        assert worker.take_load_errors() == {30, 31}
+        assert not worker._expedited  # noqa: SLF001 - nothing left behind
+    finally:
+        mgr.shutdown()
+        worker.shutdown()
+
+
+def test_sync_loads_option_refuses_unknown_values():
+    assert KvdOptions.from_extra({"socket": "s", "sync_loads": "off"}).sync_loads == "off"
+    with pytest.raises(ValueError, match="sync_loads"):
+        KvdOptions.from_extra({"socket": "s", "sync_loads": "yes"})

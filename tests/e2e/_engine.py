@@ -151,6 +151,36 @@ def _request_result(out, elapsed: float) -> dict:
     }
 
 
+class _StepCounter:
+    """Counts the engine's steps until the first one that returns a token (in-process
+    engines only: ``first_token`` stays None in multiprocess mode)."""
+
+    def __init__(self, llm) -> None:
+        client = llm.llm_engine.engine_core
+        self.core = getattr(client, "engine_core", None)  # InprocClient only
+        self.first_token: int | None = None
+        self._calls = 0
+
+    def __enter__(self) -> _StepCounter:
+        if self.core is not None:
+            step = self._orig = self.core.step_fn
+
+            def counted():
+                outputs, executed = step()
+                self._calls += 1
+                if self.first_token is None and any(
+                        o.new_token_ids for eco in outputs.values() for o in eco.outputs):
+                    self.first_token = self._calls
+                return outputs, executed
+
+            self.core.step_fn = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.core is not None:
+            self.core.step_fn = self._orig
+
+
 def run_steps(llm, steps: list[dict]) -> None:
     from vllm import SamplingParams
 
@@ -172,9 +202,12 @@ def run_steps(llm, steps: list[dict]) -> None:
                 prompts = [{"prompt_token_ids": list(step["prompt_token_ids"])}]
             else:
                 prompts = [step["prompt"]]
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            with _StepCounter(llm) as counter:
+                outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - started
             results = [_request_result(o, elapsed) for o in outs]
+            if counter.first_token is not None:
+                result["steps_to_first_token"] = counter.first_token
             if "prompts" in step:
                 result["outputs"] = results
             else:

@@ -112,3 +112,47 @@ def test_standard_offloading_connector_path(tiny_model, expected, daemon, run_en
                                "steps": [GEN, {"op": "reset_prefix_cache"}, GEN]}).generations
     assert loaded["num_cached_tokens"] == full_blocks(expected)
     assert cold["token_ids"] == loaded["token_ids"] == expected["token_ids"]
+
+
+def test_a_hit_computes_in_the_step_that_loads_it(tiny_model, expected, daemon, run_engine):
+    """vLLM on CPU: kvd loads a hit before the forward pass of the step that computes the
+    request (vLLM's async loads make it wait for steps). Control: with ``sync_loads`` off
+    the same load costs the request extra steps, so the count tells the two apart."""
+    reset = {"op": "reset_prefix_cache"}
+    # Also a request that loads the 7 blocks and computes 2 more full blocks in the same
+    # step: vLLM stores those while the load's job is still open.
+    longer = {**GEN, "prompt": PROMPT + " " + long_prompt(300, variant=1)}
+    plain_longer = run_engine({"model": str(tiny_model), "steps": [longer]}).generations[0]
+    runs = {}
+    for mode in ("auto", "off"):
+        ktc = kvd_transfer_config(daemon.socket, sync_loads=mode)
+        runs[mode] = run_engine({"model": str(tiny_model), "kv_transfer_config": ktc,
+                                 "steps": [GEN, reset, GEN, reset, longer]}).generations
+    (cold, loaded, extended), (_, loaded_async, _) = runs["auto"], runs["off"]
+    for gen in (loaded, loaded_async):
+        assert gen["num_cached_tokens"] == full_blocks(expected)
+        assert gen["token_ids"] == expected["token_ids"]
+    assert extended["num_cached_tokens"] >= full_blocks(expected)
+    assert extended["token_ids"] == plain_longer["token_ids"]
+    assert extended["prompt_len"] - full_blocks(expected) >= 2 * BLOCK_TOKENS
+    # The first pass may go by before the Lookup's reply is read; then the request
+    # loads and computes in the next one.
+    assert loaded["steps_to_first_token"] <= cold["steps_to_first_token"] + 1, runs
+    assert loaded_async["steps_to_first_token"] > loaded["steps_to_first_token"] + 1, runs
+
+
+def test_an_engines_last_step_reaches_kvd_before_it_exits(tiny_model, daemon, run_engine):
+    """vLLM sends a step's stores at the start of the next step and dropped those of
+    the last step at shutdown: an engine restarted in its place recomputed them."""
+    prompts = [long_prompt(800, variant=v) for v in range(3)]
+    batch = {"op": "generate", "prompts": prompts, "max_tokens": 1}  # one step, the last
+    ktc = kvd_transfer_config(daemon.socket)
+    (first,) = run_engine({"model": str(tiny_model), "kv_transfer_config": ktc,
+                           "steps": [batch]}).generations
+    assert daemon.status()["counters"]["failed_stores"] == 0
+    (again,) = run_engine({"model": str(tiny_model), "kv_transfer_config": ktc,
+                           "steps": [batch]}).generations
+    for cold, loaded in zip(first["outputs"], again["outputs"]):
+        assert cold["num_cached_tokens"] == 0
+        assert loaded["num_cached_tokens"] == full_blocks(loaded)
+        assert loaded["token_ids"] == cold["token_ids"]
