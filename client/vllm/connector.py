@@ -18,14 +18,17 @@ forward pass: two whole steps of waiting for a copy of a few milliseconds. Here 
 scheduled in the step that loads it: the scheduler answers ``load_async=False``, the
 metadata names those jobs, and the worker waits for them (short deadline) before the
 forward pass. A failed one is reported like any failed load; vLLM then drops that
-request's output of the step and recomputes from the first failed block.
+request's output of the step and recomputes from the first failed block. What the
+request (or one sharing its blocks) computed in that step is stored only one step later,
+once the load's outcome is known, and after a failure the blocks computed on it leave
+vLLM's prefix cache. Not with several batches in flight (async scheduling, pipeline
+parallel): there a step is scheduled before the previous one's outcome.
 """
 
 from __future__ import annotations
 
 import logging
-
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
@@ -74,8 +77,12 @@ def prepare_config(vllm_config: object) -> None:
 
 
 def sync_loads_on(vllm_config: object, options: KvdOptions) -> bool:
-    """Whether this engine's hits load before the forward pass of the step they join."""
+    """Whether this engine's hits load before the forward pass of the step they join.
+    Not with several batches in flight (async scheduling, pipeline parallel): the next
+    step is scheduled before this one's outcome, and the bookkeeping below is per step."""
     if vllm_minor() != (0, 32) or options.sync_loads == "off":
+        return False
+    if getattr(vllm_config, "max_concurrent_batches", 1) > 1:
         return False
     device = vllm_config.device_config.device_type  # type: ignore[attr-defined]
     return options.sync_loads == "on" or device == "cpu"
@@ -95,8 +102,12 @@ class KvdConnector(OffloadingConnector):
         options = KvdOptions.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self._sync_loads = sync_loads_on(vllm_config, options)
         self._block_tokens = vllm_config.cache_config.block_size
-        # scheduler: hits answered load_async=False -> the local hit they extend (tokens)
+        # Scheduler side, for the step being scheduled: hits answered load_async=False
+        # -> the local hit they extend (tokens); the engine blocks they load into.
         self._sync_reqs: dict[str, int] = {}
+        self._loading_blocks: set[int] = set()
+        # The step scheduled last: requests whose KV depends on its synchronous loads.
+        self._depends: set[str] = set()
         self._sync_waited: set[str] = set()  # worker: their requests, until get_finished
 
     def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
@@ -148,36 +159,61 @@ class KvdConnector(OffloadingConnector):
             # vLLM 0.32's offloading scheduler loads into the blocks past the local hit
             # that are not cached yet: an async load's blocks are cached only once it
             # ended, a synchronous load's at allocation. Show it the async view.
-            end = -(-(local + num_external_tokens) // self._block_tokens)
-            blocks = _uncached(blocks, local // self._block_tokens, end)
+            start, end = local // self._block_tokens, -(-(local + num_external_tokens)
+                                                          // self._block_tokens)
+            self._loading_blocks.update(b.block_id for g in blocks.blocks for b in g[start:end])
+            blocks = _uncached(blocks, start, end)
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
         if not self._sync_loads:
             return super().build_connector_meta(scheduler_output)
-        # vLLM 0.32 stores none of a request's blocks while a load of it is pending (an
-        # async load's request computes nothing meanwhile). A synchronous load's request
-        # computes in its load step, and the blocks it computes are not the ones loaded:
-        # they may be stored (their copy starts next step, after the load ended).
-        sched = self.scheduler
-        loading = [(sched._req_status[t.req_id].transfer_jobs, job)
-                   for job, t in sched._current_batch_load_jobs.items()
-                   if t.req_id in self._sync_reqs]
-        for jobs, job in loading:
-            jobs.discard(job)
-        try:
-            meta = super().build_connector_meta(scheduler_output)
-        finally:
-            for jobs, job in loading:
-                jobs.add(job)
+        # What a request computes in this step on top of a synchronous load may be wrong
+        # if the load fails (vLLM then recomputes it; nothing withdraws a store): vLLM
+        # stores none of it this step, but next step, once the load's outcome is known.
+        # That covers the loading requests and those sharing their blocks through the
+        # prefix cache (a sync load's blocks are cached at allocation).
+        depends = set(self._sync_reqs)
+        if self._loading_blocks and self._kv_cache_manager is not None:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                if req_id not in depends and any(
+                        not self._loading_blocks.isdisjoint(group)
+                        for group in self._kv_cache_manager.get_block_ids(req_id)):
+                    depends.add(req_id)
+        view = scheduler_output
+        if depends:
+            view = replace(scheduler_output, num_scheduled_tokens={
+                r: n for r, n in scheduler_output.num_scheduled_tokens.items()
+                if r not in depends})
+        meta = super().build_connector_meta(view)
         sync = frozenset(job for job, t in meta.load_jobs.items() if t.req_id in self._sync_reqs)
         self._sync_reqs.clear()
+        self._loading_blocks.clear()
+        self._depends = depends
         if meta.load_jobs:
             # Also the async ones (a whole-prompt hit) go out before the forward pass,
             # not after it: on CPU that pass is synchronous and takes the whole step.
             scheduler_output.has_sync_kv_loads = True
         return KvdConnectorMetadata(meta.load_jobs, meta.store_jobs, meta.jobs_to_flush,
                                     sync_load_jobs=sync)
+
+    def update_connector_output(self, connector_output) -> None:  # type: ignore[no-untyped-def]
+        """After a failed synchronous load, vLLM (recompute policy) keeps the failed
+        blocks, and those computed on them, in its prefix cache until it recomputes
+        them: a request preempted meanwhile, or another one, would hit them. Evicted."""
+        super().update_connector_output(connector_output)
+        depends, self._depends = self._depends, set()
+        bad = connector_output.invalid_block_ids
+        if not (bad and depends) or self._kv_cache_manager is None:
+            return
+        evict: set[int] = set()
+        for req_id in depends:
+            for group in self._kv_cache_manager.get_block_ids(req_id):
+                first = next((i for i, b in enumerate(group) if b in bad), None)
+                if first is not None:
+                    evict.update(group[first:])
+        if evict:
+            self._kv_cache_manager.evict_blocks(evict)
 
     # ------------------------------------------------ synchronous loads: worker side
     def start_load_kv(self, forward_context, **kwargs) -> None:  # type: ignore[no-untyped-def]

@@ -112,6 +112,24 @@ def test_failed_load_is_recomputed_not_used(tiny_model, expected, daemon, run_en
     assert daemon.status()["counters"]["loaded_blocks"] >= 7  # the loads really happened
 
 
+def test_what_a_failed_load_fed_is_never_stored(tiny_model, daemon, run_engine):
+    """A request that loads 7 blocks and computes 2 more in the same step (a synchronous
+    load): the load fails (garbled), so those 2 were computed on garbage and vLLM
+    recomputes them. kvd must get only the recomputed ones: an engine that loads all 9
+    afterwards answers as an engine without kvd."""
+    longer = {**GEN, "prompt": PROMPT + " " + long_prompt(300, variant=1)}
+    plain = run_engine({"model": str(tiny_model), "steps": [longer]}).generations[0]
+    garbling = kvd_transfer_config(daemon.socket, **GARBLING)
+    gens = run_engine({"model": str(tiny_model), "kv_transfer_config": garbling,
+                       "steps": [GEN, RESET, longer, longer]}).generations
+    assert [g["token_ids"] for g in gens[1:]] == [plain["token_ids"]] * 2
+    (loaded,) = run_engine({"model": str(tiny_model),
+                            "kv_transfer_config": kvd_transfer_config(daemon.socket),
+                            "steps": [longer]}).generations
+    assert loaded["num_cached_tokens"] >= FULL_BLOCK_TOKENS + 2 * 128
+    assert loaded["token_ids"] == plain["token_ids"]
+
+
 def test_failed_load_is_recomputed_on_the_standard_path(tiny_model, expected, daemon,
                                                         run_engine):
     """Loaded as a plain OffloadingConnector spec, failed loads still reach vLLM."""
