@@ -200,25 +200,26 @@ async def run_config(name: str, model: Path, shape: Shape, args) -> dict:
     return out
 
 
-def ratios(by: dict[str, dict]) -> dict[str, dict]:
-    def r(a: str, b: str, key: str) -> float:
-        return by[a][key] / by[b][key]
+# group -> (with kvd, its baseline, {ratio name: the configs' field})
+RATIOS = {
+    "single": ("single-kvd", "single-off", {
+        "throughput_ratio": "tokens_per_s", "request_rate_ratio": "requests_per_s",
+        "ttft_p50_ratio": "ttft_p50_ms", "ttft_mean_ratio": "ttft_mean_ms"}),
+    "aa_control": ("single-off-b", "single-off", {
+        "throughput_ratio": "tokens_per_s", "ttft_p50_ratio": "ttft_p50_ms"}),
+    "pair": ("pair-kvd", "pair-off", {
+        "throughput_ratio": "tokens_per_s", "request_rate_ratio": "requests_per_s",
+        "ttft_p50_ratio": "ttft_p50_ms", "ttft_mean_ratio": "ttft_mean_ms"}),
+    "restart": ("restart-kvd", "restart-off", {
+        "throughput_ratio": "tokens_per_s",
+        "ttft_p50_after_restart_ratio": "ttft_p50_after_restart_ms"}),
+}
 
-    return {
-        "single": {"throughput_ratio": r("single-kvd", "single-off", "tokens_per_s"),
-                   "request_rate_ratio": r("single-kvd", "single-off", "requests_per_s"),
-                   "ttft_p50_ratio": r("single-kvd", "single-off", "ttft_p50_ms"),
-                   "ttft_mean_ratio": r("single-kvd", "single-off", "ttft_mean_ms")},
-        "aa_control": {"throughput_ratio": r("single-off-b", "single-off", "tokens_per_s"),
-                       "ttft_p50_ratio": r("single-off-b", "single-off", "ttft_p50_ms")},
-        "pair": {"throughput_ratio": r("pair-kvd", "pair-off", "tokens_per_s"),
-                 "request_rate_ratio": r("pair-kvd", "pair-off", "requests_per_s"),
-                 "ttft_p50_ratio": r("pair-kvd", "pair-off", "ttft_p50_ms"),
-                 "ttft_mean_ratio": r("pair-kvd", "pair-off", "ttft_mean_ms")},
-        "restart": {"throughput_ratio": r("restart-kvd", "restart-off", "tokens_per_s"),
-                    "ttft_p50_after_restart_ratio": r("restart-kvd", "restart-off",
-                                                      "ttft_p50_after_restart_ms")},
-    }
+
+def ratios(by: dict[str, dict]) -> dict[str, dict]:
+    """Each group whose two configurations ran (``--configs`` may run a few)."""
+    return {group: {name: by[a][key] / by[b][key] for name, key in keys.items()}
+            for group, (a, b, keys) in RATIOS.items() if a in by and b in by}
 
 
 def main() -> int:
@@ -268,8 +269,8 @@ def main() -> int:
     result: dict = {"runs": runs, "shape": vars(shape),
                     "mode": {"rate": args.rate} if args.rate else
                     {"concurrency": args.concurrency}}
-    if set(CONFIGS) <= set(names):
-        per_run = [ratios(r) for r in runs]
+    per_run = [ratios(r) for r in runs]
+    if per_run:
         for group in per_run[0]:
             result[group] = {k: statistics.median(p[group][k] for p in per_run)
                              for k in per_run[0][group]}

@@ -51,3 +51,22 @@ def test_open_loop_arrivals_are_ordered_and_keep_the_rate():
     assert ts[0] == 0.0 and all(a <= b for a, b in zip(ts, ts[1:]))
     assert 3.6 < len(ts) / ts[-1] < 4.4
     assert arrivals(10, 4.0, seed=3) == ts[:10]
+
+
+def test_ratios_cover_the_groups_whose_configurations_ran():
+    """``--configs`` may run a few configurations: their ratios are still reported."""
+    from bench_multiturn import ratios  # noqa: PLC0415 - imports the e2e harness
+
+    def config(tokens: float, ttft_after: float = 0.0) -> dict:
+        return {"tokens_per_s": tokens, "requests_per_s": tokens / 1000,
+                "ttft_p50_ms": 1e6 / tokens, "ttft_mean_ms": 2e6 / tokens,
+                "ttft_p50_after_restart_ms": ttft_after}
+
+    by = {"restart-off": config(2000, 1600), "restart-kvd": config(3000, 800),
+          "single-off": config(2500)}
+    assert ratios(by) == {"restart": {"throughput_ratio": 1.5,
+                                      "ttft_p50_after_restart_ratio": 0.5}}
+    by["single-kvd"] = config(5000)
+    assert ratios(by)["single"] == {"throughput_ratio": 2.0, "request_rate_ratio": 2.0,
+                                    "ttft_p50_ratio": 0.5, "ttft_mean_ratio": 0.5}
+    assert set(ratios(by)) == {"restart", "single"}
