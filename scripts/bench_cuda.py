@@ -1,10 +1,10 @@
 """GPU store/load bandwidth of kvd's CUDA engine, beside a pinned cudaMemcpyAsync baseline.
 
 For a GPU machine (an H200's figures: docs/gpu_verified.md). A spawned worker process
-allocates KV memory with cuMemAlloc and exports it through ``kvd_client.cuda`` (IPC handles and an
-event ring), exactly as a vLLM worker would; this process runs ``CudaEngine`` against a
-pinned pool (``PoolPinner``) and, for each block size, stores every block into slots in
-a shuffled order (nothing coalesces) and loads them back. Bandwidth counts payload bytes
+allocates KV memory with cuMemAlloc and exports it through ``kvd_client.cuda`` (IPC
+handles and an event ring), exactly as a vLLM worker would; this process runs
+``CudaEngine`` against a pinned pool (``PoolPinner``) and, for each block size, stores
+every block into slots in a shuffled order (nothing coalesces) and loads them back. Bandwidth counts payload bytes
 from submit to the last completion. The baseline, measured in the same run on the same
 device, is one contiguous cudaMemcpyAsync of the same number of bytes between device
 memory and pinned host memory, per direction. Goal: >= 0.90 of the baseline. Beside

@@ -9,13 +9,15 @@ class UnsupportedVllmVersion(ImportError):
     pass
 
 
+def _installed() -> str:
+    import vllm  # noqa: PLC0415
+
+    return vllm.__version__
+
+
 def vllm_minor(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of ``version``, else of the installed vLLM; (-1, -1) if unreadable."""
-    if version is None:
-        import vllm  # noqa: PLC0415
-
-        version = vllm.__version__
-    parts = version.split(".")
+    parts = (_installed() if version is None else version).split(".")
     try:
         return int(parts[0]), int(parts[1])
     except (ValueError, IndexError):
@@ -24,12 +26,8 @@ def vllm_minor(version: str | None = None) -> tuple[int, int]:
 
 def check_vllm_version(version: str | None = None) -> None:
     """Raise UnsupportedVllmVersion unless vLLM is a release kvd was written for."""
-    if version is None:
-        import vllm  # noqa: PLC0415
-
-        version = vllm.__version__
-    major_minor = vllm_minor(version)
-    if major_minor not in SUPPORTED:
+    version = _installed() if version is None else version
+    if vllm_minor(version) not in SUPPORTED:
         raise UnsupportedVllmVersion(
             f"kvd_client.vllm supports vLLM 0.32 and 0.33, found vLLM {version}; install "
             "a supported vLLM or a kvd release written for yours")

@@ -21,8 +21,9 @@ stayed allocated). A poll ends when the work does (deadline, detach, close). A s
 lane waiting for its client's event blocks nobody else; a load naming an event that
 does not complete holds up the loads of that GPU behind it until its deadline or its
 client's detach. Jobs queued behind a wait fail at their deadline (the watchdog) or
-when the client is detached, never later than that start. ``on_waited`` lets the daemon tell the worker that event ``i`` may be recorded
-again (or destroyed): the wait on it has passed. Each IPC memory handle is opened
+when the client is detached, never later than that start. ``on_waited`` lets the
+daemon tell the worker that event ``i`` may be recorded again (or destroyed): the wait
+on it has passed. Each IPC memory handle is opened
 once per (client pid, handle), checked against the client's geometry, and closed
 exactly once, after the last copy of the last client using it completed. Copies into
 pool chunks that are not pinned yet are not issued (they would be synchronous): the job
@@ -192,7 +193,8 @@ class CudaEngine(TransferEngine):
         """Once a gone client has no copies on the GPU: end its lane, then close its
         handles. Without ``wait`` it never joins: the lane's submit thread may still be
         in a poll of the client's event (it ends at its next look) or a copy call, and
-        the lane frees itself and the handles once that returned. With ``wait`` (shutdown) it joins the lane that long."""
+        the lane frees itself and the handles once that returned. With ``wait``
+        (shutdown) it joins the lane that long."""
         with self._lock:
             if not c.gone or c.copying or c.released:
                 return
