@@ -41,6 +41,8 @@ from kvd_proto.ids import unpack_u32  # noqa: E402
 FP = m.Fingerprint(model="bench-control", dtype="bf16", kv_dtype="bf16", block_tokens=16,
                    tp_size=1, rank_page_bytes=[4096], hash_algo="sha256", root_hash=b"")
 
+SETTLE_S = 1.0  # how long a freshly started baseline server is left to settle
+
 
 def key(tag: str, i: int) -> bytes:
     return f"{tag}{i:010d}".encode().ljust(36, b"\0")  # the size of a sha256 OffloadKey
@@ -82,6 +84,10 @@ def raw_round_trips(n: int) -> list[float]:
         server = ctx.Process(target=_echo, args=(addr, ready))
         server.start()
         ready.wait(30)
+        # A fresh interpreter is not at rest: numpy's BLAS threads spin for ~0.1 s after
+        # import, and a core kept busy wakes at once, which made this baseline a quarter
+        # of what two processes at rest take (the daemon has long settled by its cases).
+        time.sleep(SETTLE_S)
         zctx = zmq.Context()
         sock = zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
