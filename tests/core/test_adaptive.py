@@ -145,3 +145,42 @@ def test_it_ends_up_following_the_expert_that_wins(make, capacity: int, winner: 
     hits = _replay(policy, trace)
     assert policy.leader == winner
     assert hits >= alone[winner] - 0.01 * refs
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.integers(1, 30)),
+    st.tuples(st.just("hit"), st.integers(0, 200), st.integers(1, 30)),
+    st.tuples(st.just("evict"), st.integers(1, 40)),
+    st.tuples(st.just("remove"), st.integers(0, 200)),
+    st.tuples(st.just("resize"), st.sampled_from([1000, 4096, 20_000]))), max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS)
+def test_a_hits_sample_is_the_held_keys_whose_hash_is_sampled(ops: list[tuple]) -> None:
+    """A hit's sampled keys come from a set kept at insert and eviction, not from
+    hashing every touched key again: through stores, hits, evictions, removals and a
+    new capacity (a new rate), that set is exactly the held keys under the rate."""
+    policy = AdaptivePolicy(4096)
+    held: list[bytes] = []
+    fresh = iter(range(10**9))
+    for op in ops:
+        if op[0] == "store":
+            keys = [next(fresh).to_bytes(8, "little") for _ in range(op[1])]
+            policy.insert_many(keys, 0, len(keys))
+            held += keys
+        elif op[0] == "hit" and held:
+            lo = op[1] % len(held)
+            policy.touch(held[lo:lo + op[2]], lo)
+        elif op[0] == "evict" and held:
+            gone = set(policy.evict(min(op[1], len(held))))
+            held = [k for k in held if k not in gone]
+        elif op[0] == "remove" and held:
+            policy.remove(held.pop(op[1] % len(held)))
+        elif op[0] == "resize":
+            policy.set_capacity(op[1])
+        policy.victims()  # replays deferred stores into the sample
+        assert sorted(policy.victims()) == sorted(held)
+        expected = ({k for k in held if key_hash(k) < policy._limit} if policy._shift
+                    else set())
+        assert policy._held_sample == expected

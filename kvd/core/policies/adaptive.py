@@ -18,6 +18,7 @@ blocks). Deterministic: the sample is a fixed hash of the key, no clock, no rand
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import compress
 from zlib import crc32
 
 from kvd.core.policies.base import EvictionPolicy, Key, make_policy
@@ -41,6 +42,9 @@ class AdaptivePolicy(EvictionPolicy):
         mini = max(1, self.capacity >> self._shift)
         self._shadows = [Shadow(make_policy(n, mini)) for n in self.experts]
         self._limit = (1 << 32) >> self._shift  # sampled: key_hash(key) < _limit
+        # The sampled keys held (when sampling): a hit's sample is a set lookup per
+        # key, not a hash, since every key it touches was sampled (or not) at insert.
+        self._held_sample: set[Key] = set()
         self._window = WINDOW * mini
         self._seen = 0
         self.lead = 0  # index of the leading expert
@@ -54,17 +58,23 @@ class AdaptivePolicy(EvictionPolicy):
         return self.experts[self.lead]
 
     # ------------------------------------------------------------ the sample
-    def _sample(self, keys: Sequence[Key], depth: int, length: int) -> None:
-        """Replay the sampled keys of one call through every shadow, then maybe let
-        another expert lead."""
+    def _sample(self, keys: Sequence[Key], depth: int, length: int,
+                stored: bool = True) -> None:
+        """Replay the sampled keys of one call (stored ones, else hits) through every
+        shadow, then maybe let another expert lead."""
         n = len(keys)
         if self._shift == 0:
             got, depths = list(keys), list(range(depth, depth + n))
         else:
-            limit = self._limit
-            hashes = map(crc32 if isinstance(keys[0], bytes) else key_hash, keys)
-            idx = [i for i, h in enumerate(hashes) if h < limit]
+            if stored:
+                hashes = map(crc32 if isinstance(keys[0], bytes) else key_hash, keys)
+                sampled = map(self._limit.__gt__, hashes)
+            else:
+                sampled = map(self._held_sample.__contains__, keys)
+            idx = list(compress(range(n), sampled))  # C iterators: no bytecode per key
             got, depths = [keys[i] for i in idx], [depth + i for i in idx]
+            if stored:
+                self._held_sample.update(got)
         for shadow in self._shadows:
             shadow.reference(got, depths, depth, depth + n, length)
         if not got:
@@ -114,12 +124,13 @@ class AdaptivePolicy(EvictionPolicy):
         self._replay()
         for p in self._live:
             p.touch(keys, depth)
-        self._sample(keys, depth, 0)
+        self._sample(keys, depth, 0, stored=False)
 
     def remove(self, key: Key) -> None:
         self._replay()
         for p in self._live:
             p.remove(key)
+        self._held_sample.discard(key)
 
     def evicted(self, key: Key) -> None:
         self.evicted_many((key,))
@@ -131,6 +142,7 @@ class AdaptivePolicy(EvictionPolicy):
                 p.evicted_many(keys)
             else:
                 p.outvoted(keys)
+        self._held_sample.difference_update(keys)
 
     def evict(self, n: int) -> list[Key]:
         self._replay()
@@ -138,6 +150,7 @@ class AdaptivePolicy(EvictionPolicy):
         for i, p in enumerate(self._live):
             if i != self.lead:
                 p.outvoted(keys)
+        self._held_sample.difference_update(keys)
         return keys
 
     def set_capacity(self, capacity: int) -> None:
@@ -150,6 +163,9 @@ class AdaptivePolicy(EvictionPolicy):
         live = self._live
         self._build()
         self._live, self.lead = live, lead
+        if self._shift:  # the held keys' sample at the new rate
+            self._held_sample = {k for k in live[lead].victims()
+                                 if key_hash(k) < self._limit}
 
     # ------------------------------------------------------------ queries
     def victims(self) -> Iterator[Key]:

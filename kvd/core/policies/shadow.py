@@ -51,6 +51,9 @@ class Shadow:
                   length: int) -> int:
         """Replay the sampled keys (prefix order, at ``depths``) of a live call that
         covered depths ``start`` to ``stop``; returns the hits scored."""
+        if not keys:  # none sampled (most calls at low rates): only the run goes on
+            self._end = stop if start == 0 or start == self._end else -1
+            return 0
         policy, held = self.policy, self._keys
         present = list(map(held.__contains__, keys))
         hits = 0
