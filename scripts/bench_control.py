@@ -7,10 +7,10 @@
 - Daemon CPU time per lookup key and per allocated block (from /proc, whole phases).
 - The baseline, measured in the same run: a raw ZeroMQ DEALER/ROUTER round trip between
   two processes over ipc with the same 1-key Lookup bytes (an echo server, before and
-  after the timed cases), so the client's and daemon's overhead reads as a ratio that
-  holds on another machine. Beside it the same 1-key Lookup from a raw DEALER speaking
-  kvd's protocol to the daemon (no ``Connection``): what the daemon takes, so the rest is
-  the client's.
+  after the timed cases, each left to settle after its start), so the client's and
+  daemon's overhead reads as a ratio that holds on another machine. Beside it the same
+  1-key Lookup from a raw DEALER speaking kvd's protocol to the daemon (no
+  ``Connection``): what the daemon takes, so the rest is the client's.
 
     python scripts/bench_control.py [--clients 8] [--seconds 3] [--policy NAME] [--json]
 Targets: 1,000-key lookup <= 2 x the 1-key round trip; >= 20,000 RPC/s; a 1-key
