@@ -4,12 +4,13 @@ For a GPU machine (an H200's figures: docs/gpu_verified.md). A spawned worker pr
 allocates KV memory with cuMemAlloc and exports it through ``kvd_client.cuda`` (IPC
 handles and an event ring), exactly as a vLLM worker would; this process runs
 ``CudaEngine`` against a pinned pool (``PoolPinner``) and, for each block size, stores
-every block into slots in a shuffled order (nothing coalesces) and loads them back. Bandwidth counts payload bytes
-from submit to the last completion. The baseline, measured in the same run on the same
-device, is one contiguous cudaMemcpyAsync of the same number of bytes between device
-memory and pinned host memory, per direction. Goal: >= 0.90 of the baseline. Beside
-it: the same copies with the per-run fallback (one cudaMemcpyAsync per run, as on
-drivers older than 12.8) and, at the largest size, into a pool that was never pinned.
+every block into slots in a shuffled order (nothing coalesces) and loads them back.
+Bandwidth counts payload bytes from submit to the last completion. The baseline,
+measured in the same run on the same device, is one contiguous cudaMemcpyAsync of the
+same number of bytes between device memory and pinned host memory, per direction.
+Goal: >= 0.90 of the baseline. Beside it: the same copies with the per-run fallback
+(one cudaMemcpyAsync per run, as on drivers older than 12.8) and, at the largest size,
+into a pool that was never pinned.
 
     python scripts/bench_cuda.py [--total 1G] [--repeat 5] [--quick] [--no-fallback] [--json]
 

@@ -42,8 +42,8 @@ class AdaptivePolicy(EvictionPolicy):
         mini = max(1, self.capacity >> self._shift)
         self._shadows = [Shadow(make_policy(n, mini)) for n in self.experts]
         self._limit = (1 << 32) >> self._shift  # sampled: key_hash(key) < _limit
-        # The sampled keys held (when sampling): a hit's sample is a set lookup per
-        # key, not a hash, since every key it touches was sampled (or not) at insert.
+        # The sampled keys held (when sampling), stored since the last build: a hit's
+        # sample is a set lookup per key, not a hash, as each key was sampled at insert.
         self._held_sample: set[Key] = set()
         self._window = WINDOW * mini
         self._seen = 0
@@ -154,7 +154,9 @@ class AdaptivePolicy(EvictionPolicy):
         return keys
 
     def set_capacity(self, capacity: int) -> None:
-        """Experts follow; the shadows start afresh at the new sampling rate."""
+        """Experts follow; the shadows start afresh at the new sampling rate, and so
+        does their sample of the held keys (stores from now on; rebuilding it would
+        walk every held key on the loop, and the fresh shadows hold none of them)."""
         self._replay()
         super().set_capacity(capacity)
         for p in self._live:
@@ -163,9 +165,6 @@ class AdaptivePolicy(EvictionPolicy):
         live = self._live
         self._build()
         self._live, self.lead = live, lead
-        if self._shift:  # the held keys' sample at the new rate
-            self._held_sample = {k for k in live[lead].victims()
-                                 if key_hash(k) < self._limit}
 
     # ------------------------------------------------------------ queries
     def victims(self) -> Iterator[Key]:
