@@ -152,6 +152,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("hit"), st.integers(0, 200), st.integers(1, 30)),
     st.tuples(st.just("evict"), st.integers(1, 40)),
     st.tuples(st.just("remove"), st.integers(0, 200)),
+    st.tuples(st.just("evicted"), st.integers(0, 200), st.integers(1, 5)),
     st.tuples(st.just("resize"), st.sampled_from([1000, 4096, 20_000]))), max_size=60)
 
 
@@ -159,9 +160,9 @@ OPS = st.lists(st.one_of(
 @given(ops=OPS)
 def test_a_hits_sample_is_the_held_keys_whose_hash_is_sampled(ops: list[tuple]) -> None:
     """A hit's sampled keys come from a set kept at insert and eviction, not from
-    hashing every touched key again: through stores, hits, evictions and removals that
-    set is exactly the held keys under the rate, stored since the last new capacity
-    (a new rate, with fresh shadows)."""
+    hashing every touched key again: through stores, hits, evictions (the policy's and
+    the index's) and removals that set is exactly the held keys under the rate, stored
+    since the last new capacity (a new rate, with fresh shadows)."""
     policy = AdaptivePolicy(4096)
     held: list[bytes] = []
     since: set[bytes] = set()  # stored since the last resize
@@ -180,6 +181,10 @@ def test_a_hits_sample_is_the_held_keys_whose_hash_is_sampled(ops: list[tuple]) 
             held = [k for k in held if k not in gone]
         elif op[0] == "remove" and held:
             policy.remove(held.pop(op[1] % len(held)))
+        elif op[0] == "evicted" and held:  # the index evicted these keys itself
+            lo = op[1] % len(held)
+            gone_keys, held = held[lo:lo + op[2]], held[:lo] + held[lo + op[2]:]
+            policy.evicted_many(gone_keys)
         elif op[0] == "resize":
             policy.set_capacity(op[1])
             since.clear()
