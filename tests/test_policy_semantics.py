@@ -51,3 +51,23 @@ def test_textbook_s3fifo_keeps_its_queues_and_promotes_by_its_rule() -> None:
     s3.hit(b"a")
     s3.miss(b"e")  # evicts: the small FIFO's a, reused twice, is promoted instead
     assert b"a" in s3.main and len(s3.freq) == 4
+
+
+def test_admission_bound_models_kvds_lru_and_its_oracles_order() -> None:
+    from admission_bound import classes, lru_admit
+
+    from kvd.sim import NEVER, next_uses, replay
+
+    trace = _trace()
+    nxt = next_uses(trace)
+    cap = 300
+    plain = lru_admit(trace, cap, lambda i: True)
+    # admitting everything is kvd's own lru under the prefix protocol, hit for hit
+    assert round(plain, 6) == replay(trace, cap, "lru").hit_fraction
+    # declining exactly the blocks never referenced again loses no hit and frees room
+    assert lru_admit(trace, cap, lambda i: nxt[i] != NEVER) >= plain
+    # declining the blocks that are referenced again loses them all
+    assert lru_admit(trace, cap, lambda i: nxt[i] == NEVER) < plain
+    cls = classes(trace)
+    assert len(cls) == trace.block_refs
+    assert {c[1] for c in cls} <= set(range(5))
