@@ -70,6 +70,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Promotions given up (missing, corrupt, tier error)"),
     ("kvd_remote_probe_timeouts", "probe_timeouts",
      "Lookups answered before the remote tier did"),
+    ("kvd_remote_probes_skipped", "probes_skipped",
+     "Lookups not asked of the remote tier: too many probes in flight"),
     ("kvd_tier_errors", "tier_errors", "Tier operations that failed"),
     ("kvd_corrupt_held_back_blocks", "corrupt_held_back",
      "Blocks that failed their checksum in the pool on the way down a tier: not sent"),

@@ -33,8 +33,14 @@ class BlockHeader:
     depth: int = 0  # position in its request's prefix chain (for the tier's policy)
 
     def pack(self) -> bytes:
-        head = _FIXED.pack(MAGIC, self.length, self.checksum, self.depth, len(self.ns),
-                           len(self.key)) + self.ns + self.key
+        """ValueError (never struct.error) when a field does not fit the header: a tier
+        declines that block and keeps the rest of its batch."""
+        try:
+            fixed = _FIXED.pack(MAGIC, self.length, self.checksum, self.depth, len(self.ns),
+                                len(self.key))
+        except struct.error as e:
+            raise ValueError(f"block header: {e}") from None
+        head = fixed + self.ns + self.key
         if len(head) > HEADER_BYTES:
             raise ValueError(f"namespace + key of {len(self.ns) + len(self.key)} bytes do "
                              f"not fit a {HEADER_BYTES}-byte header")

@@ -109,9 +109,13 @@ class RedisTier(Tier):
         kept = 0
         sizes = [memoryview(b.data).nbytes for b in blocks]
         for start, end in self._batches(sizes):
-            cmds = [("SET", _name(ns, b.key), _value(ns, b), *ttl)
-                    for b in blocks[start:end]]
-            ok = sum(r is True for r in self._call("put", cmds))
+            cmds = []
+            for b in blocks[start:end]:
+                try:
+                    cmds.append(("SET", _name(ns, b.key), _value(ns, b), *ttl))
+                except ValueError:  # a key or depth its header cannot hold: declined
+                    continue
+            ok = sum(r is True for r in self._call("put", cmds)) if cmds else 0
             with self._lock:
                 self.written_blocks += ok
             kept += ok

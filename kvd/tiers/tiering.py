@@ -46,6 +46,9 @@ log = logging.getLogger("kvd.tiers")
 Post = Callable[..., None]  # loop.call_soon_threadsafe
 PROMOTER = 0  # the owner of promotion slots in the index (clients start at 1)
 PROMOTE_S = 30.0  # a promotion's slots are given up if its read has not ended by then
+# Remote probes queued at once: a slow cluster (answering within its timeout, so the
+# breaker stays closed) must not queue one per missed Lookup without end.
+MAX_PROBES = 64
 
 
 @dataclass
@@ -58,6 +61,7 @@ class TierCounters:
     remote_hit_blocks: int = 0  # promoted from the remote tier, READY in RAM
     promote_failed: int = 0  # promotion slots given up (missing, corrupt, tier error)
     probe_timeouts: int = 0  # Lookups answered before the remote tier did
+    probes_skipped: int = 0  # Lookups not asked of the remote tier: MAX_PROBES in flight
     tier_errors: int = 0
     corrupt_held_back: int = 0  # failed their checksum on the way down: never sent
 
@@ -131,6 +135,7 @@ class Tiering:
         # service's hook, which calls after_changes; alone, just after_changes.
         self.committed = committed or self.after_changes
         self.counters = TierCounters()
+        self.probes = 0  # remote probes queued or running
         self.tiers: dict[str, Tier] = {}
         if config.disk_path:
             self.tiers["disk"] = make_tier(
@@ -199,13 +204,24 @@ class Tiering:
                              [slots[i] for i in pick], [depths[i] for i in pick],
                              [sums[i] for i in pick])
 
+    def _fit(self, worker: _Worker, n: int, slot_bytes: int) -> int:
+        """How many of ``n`` blocks ``worker``'s queue takes now: those that fit under
+        ``tier_queue_bytes``, and one at least when it is empty, so a batch (or a block)
+        larger than the bound still goes down in part instead of never."""
+        room = max(0, self.config.tier_queue_bytes - worker.queued_bytes) // slot_bytes
+        return min(n, max(room, 0 if worker.queued_bytes else 1))
+
     def _demote_one(self, tenant: Tenant, keys: list[bytes], slots: list[int],
                     depths: list[int], sums: list[list[int] | None]) -> None:
         worker, tier = self.writers["disk"], self.tiers["disk"]
+        fit = self._fit(worker, len(slots), tenant.slot_bytes)
+        if fit < len(slots):  # victims come least valuable first: the last ones go down
+            self.counters.demote_dropped += len(slots) - fit
+            if not fit:
+                return
+            cut = len(slots) - fit
+            keys, slots, depths, sums = keys[cut:], slots[cut:], depths[cut:], sums[cut:]
         nbytes = len(slots) * tenant.slot_bytes
-        if worker.queued_bytes + nbytes > self.config.tier_queue_bytes:
-            self.counters.demote_dropped += len(slots)
-            return
         rows = self._gather(slots, tenant.slot_bytes)  # a copy: the slots are reused
         blocks = [TierBlock(k, d, row) for k, d, row in zip(keys, depths, rows)]
         ns, rank_bytes = tenant.digest.encode(), tenant.rank_bytes
@@ -224,10 +240,13 @@ class Tiering:
     def _write_behind(self, tenant: Tenant, keys: list[bytes], slots: list[int],
                       depth: int) -> None:
         worker = self.writers["remote"]
+        fit = self._fit(worker, len(slots), tenant.slot_bytes)
+        if fit < len(slots):  # a run's head is what a later prefix match needs
+            self.counters.write_behind_dropped += len(slots) - fit
+            if not fit:
+                return
+            keys, slots = keys[:fit], slots[:fit]
         nbytes = len(slots) * tenant.slot_bytes
-        if worker.queued_bytes + nbytes > self.config.tier_queue_bytes:
-            self.counters.write_behind_dropped += len(slots)
-            return
         arr = np.array(slots, dtype=np.int64)
         self.index.pin(arr)  # the bytes stay put until written
         sums = list(map(self.index.checksums.get, slots))
@@ -276,6 +295,10 @@ class Tiering:
         remote = self.tiers.get("remote")
         if remote is None or found == len(rest) or remote.status().get("state") == "open":
             return _with_pending(reply, found)
+        if self.probes >= MAX_PROBES:
+            self.counters.probes_skipped += 1
+            return _with_pending(reply, found)
+        self.probes += 1
         probe = _Probe(tenant, rest[found:], depth + start + found,
                        _with_pending(reply, found), send)
         ns = tenant.digest.encode()
@@ -288,6 +311,7 @@ class Tiering:
         return None
 
     def _probed(self, probe: _Probe, run: int | None, error: Exception | None) -> None:
+        self.probes -= 1
         if error is not None:
             self._tier_error("remote", error)
             run = 0

@@ -206,6 +206,13 @@ def test_blocks_that_cannot_fit_are_declined_and_counted(tier):
     big = TierBlock(b"big", 0, np.zeros(EXT, np.uint8))  # + header > an extent
     assert tier.put(NS, [big] + blocks([b"a"])) == 1
     assert tier.status()["declined_blocks"] == 1 and tier.contains(NS, [b"big"]) == 0
+    data = np.zeros(4096, np.uint8)
+    odd = [TierBlock(b"neg", -1, data), TierBlock(b"deep", 1 << 32, data),
+           TierBlock(b"x" * 200, 0, data)]  # fields no header holds: declined, not raised
+    assert tier.put(NS, odd + blocks([b"b"])) == 1
+    assert tier.status()["declined_blocks"] == 4 and tier.contains(NS, [b"b"]) == 1
+    with pytest.raises(ValueError, match="block header"):
+        BlockHeader(NS, b"k", 1, 0, depth=-1).pack()
 
 
 # ------------------------------------------------------------------ restarts

@@ -101,6 +101,19 @@ def test_round_trip_spreads_over_all_masters(tier, redis_cluster):
     assert all((o == SENTINEL).all() for o in outs)
 
 
+def test_a_block_its_header_cannot_hold_is_declined_and_the_batch_kept(tier):
+    """A key too long for the 128-byte header, or a depth beyond 32 bits: that block is
+    declined (before, the whole batch failed with it)."""
+    ns, blocks = _ns(), _blocks(4)
+    odd = [TierBlock(b"x" * 200, 0, blocks[0].data), TierBlock(b"deep", 1 << 32, blocks[0].data),
+           TierBlock(b"neg", -1, blocks[0].data)]
+    assert tier.put(ns, blocks[:2] + odd + blocks[2:]) == 4
+    outs = _outs(4)
+    assert tier.get_into(ns, [b.key for b in blocks], outs) == 4
+    assert all(np.array_equal(o, b.data) for o, b in zip(outs, blocks))
+    assert tier.contains(ns, [b"deep"]) == 0 and tier.errors == 0
+
+
 def test_a_ttl_is_set_unless_zero(redis_cluster, raw):
     ns = _ns()
     with closing(RedisTier(redis_cluster.url, ttl_s=60)) as t:

@@ -1,0 +1,121 @@
+"""Tiering's bounds, against a real Index, a disk tier in a temporary directory and the
+real Redis cluster; the event loop is played by the test (worker results are queued by
+``post`` and run when the test pumps them)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvd.config import Config
+from kvd.core.tenants import Tenant
+from kvd.engines.base import checksums
+from kvd.service import new_index
+from kvd.tiers.tiering import MAX_PROBES, Tiering
+from kvd_proto import messages as m
+
+BLOCK = 64 << 10
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def post(self, fn: Callable[..., None], *args: object) -> None:
+        self.q.put((fn, args))
+
+    def pump(self, until: Callable[[], bool], timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < end, "the tier's workers did not report in time"
+            try:
+                fn, args = self.q.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            fn(*args)
+
+
+@pytest.fixture
+def rig():
+    made: list[Tiering] = []
+
+    def build(**cfg: object) -> tuple[Tiering, Loop]:
+        config = Config(pool_size=8 << 20, extent_size=1 << 20, **cfg)  # 128 blocks
+        loop = Loop()
+        t = Tiering(config, new_index(config), np.zeros(config.pool_size, np.uint8),
+                    loop.post, lambda s, fn: None, time.monotonic)
+        made.append(t)
+        return t, loop
+
+    yield build
+    for t in made:
+        t.close(timeout=2)
+
+
+def _tenant() -> Tenant:
+    return Tenant(1, "0123456789abcdef", "m", 1, (BLOCK,))
+
+
+def _store(t: Tiering, tenant: Tenant, keys: list[bytes]) -> None:
+    """Allocate, write and finish a store, as the daemon would (READY blocks)."""
+    ix = t.index
+    res = ix.allocate(tenant, keys, owner=1, now=time.monotonic())
+    t.after_changes()  # what this evicted is copied out before its slots are written
+    slots = np.array(res.slots, dtype=np.int64)
+    offs = ix.allocator.offsets(slots, tenant.slot_bytes)
+    for i, o in enumerate(offs.tolist()):
+        t.pool[o:o + BLOCK] = i % 251
+    ix.store_done(slots, 0, checksums(t.pool, offs, tenant.rank_bytes))
+    t.after_changes()
+
+
+def test_an_eviction_larger_than_the_queue_still_demotes_what_fits(rig, tmp_path):
+    """Before, a batch over ``tier_queue_bytes`` was dropped whole, queue empty or not:
+    with blocks of MiBs, a long prompt's eviction never reached the disk."""
+    t, loop = rig(disk_path=str(tmp_path), disk_size=16 << 20, tier_queue_bytes=1 << 20)
+    tenant, c = _tenant(), t.counters
+    _store(t, tenant, [b"a%d" % i for i in range(128)])  # the pool is full
+    _store(t, tenant, [b"b%d" % i for i in range(32)])  # evicts 32 blocks: 2 MiB
+    loop.pump(lambda: c.demoted_blocks + c.demote_dropped == 32)
+    assert (c.demoted_blocks, c.demote_dropped) == (16, 16)  # 1 MiB of 64 KiB blocks
+    disk = t.tiers["disk"]
+    ns = tenant.digest.encode()
+    # the last victims went down (the least valuable come first)
+    assert disk.contains(ns, [b"a%d" % i for i in range(16, 32)]) == 16
+    assert disk.contains(ns, [b"a0"]) == 0
+
+
+def test_a_block_larger_than_the_queue_goes_down_when_it_is_empty(rig, tmp_path):
+    t, loop = rig(disk_path=str(tmp_path), disk_size=16 << 20, tier_queue_bytes=4096)
+    tenant, c = _tenant(), t.counters
+    _store(t, tenant, [b"a%d" % i for i in range(128)])
+    _store(t, tenant, [b"b0", b"b1"])
+    loop.pump(lambda: c.demoted_blocks + c.demote_dropped == 2)
+    assert (c.demoted_blocks, c.demote_dropped) == (1, 1)
+
+
+def test_write_behind_takes_a_runs_head_and_probes_are_bounded(rig, redis_cluster):
+    t, loop = rig(remote=redis_cluster.url, tier_queue_bytes=1 << 20, remote_lookup_ms=0)
+    tenant, c = _tenant(), t.counters
+    remote, ns = t.tiers["remote"], tenant.digest.encode()
+    keys = [f"w{time.time_ns()}-{i}".encode() for i in range(32)]
+    _store(t, tenant, keys)  # a run of 2 MiB, twice the bound
+    loop.pump(lambda: c.written_behind_blocks + c.write_behind_dropped == 32)
+    assert (c.written_behind_blocks, c.write_behind_dropped) == (16, 16)
+    assert remote.contains(ns, keys) == 16  # the head: what a prefix match needs
+    assert not t.index.pins.any()  # the written blocks' slots are unpinned again
+
+    # Lookups that miss in RAM probe the cluster; at most MAX_PROBES wait at once.
+    sent: list[m.LookupOk] = []
+    for i in range(MAX_PROBES + 6):
+        miss = m.LookupOk(i, 0, b"", 0)
+        got = t.lookup(tenant, [b"absent-%d" % i], 0, miss, sent.append)
+        assert got is miss  # remote_lookup_ms 0: answered at once, never waiting
+    assert (t.probes, c.probes_skipped) == (MAX_PROBES, 6)
+    loop.pump(lambda: t.probes == 0)
+    t.lookup(tenant, [b"absent"], 0, m.LookupOk(0, 0, b"", 0), sent.append)
+    assert (t.probes, c.probes_skipped) == (1, 6)
