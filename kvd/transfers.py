@@ -26,7 +26,7 @@ from kvd.config import Config
 from kvd.core.index import PENDING, READY, Index
 from kvd.core.states import NO_SLOT
 from kvd.core.tenants import Tenant
-from kvd.core.tickets import Tickets
+from kvd.core.tickets import TicketError, Tickets
 from kvd.engines.base import ChecksumSpec, CopyJob, TransferEngine, expired
 from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
 from kvd_proto import messages as m
@@ -214,7 +214,10 @@ class Transfers:
         if msg.ticket:
             if not store or msg.slots:
                 raise BadIds("a ticket stands for the slots of a store; send one or the other")
-            claimed = self.tickets.claim(tenant.id, msg.ticket)
+            try:
+                claimed = self.tickets.claim(tenant.id, msg.ticket, client.rank)
+            except TicketError as e:
+                raise BadIds(str(e)) from None
             if claimed is None:  # its Allocate is still on the way (another connection)
                 until = self.clock() + TICKET_WAIT_S
                 if msg.deadline_ns:

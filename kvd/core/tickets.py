@@ -32,6 +32,7 @@ class _Ticket:
     ranks_left: int
     deadline: float
     gens: np.ndarray | None = None  # the slots' allocation numbers when handed out
+    claimed: int = 0  # a bit per rank that stored with it
 
 
 @dataclass(eq=False)
@@ -71,12 +72,19 @@ class Tickets(Generic[T]):
         got = self.claim(tenant, ticket)
         return None if got is None else got[0]
 
-    def claim(self, tenant: int, ticket: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+    def claim(self, tenant: int, ticket: int,
+              rank: int = -1) -> tuple[np.ndarray, np.ndarray | None] | None:
         """``take``, with the allocation numbers the slots had when the ticket was added:
-        a slot given up and handed out again since must not receive this store."""
+        a slot given up and handed out again since must not receive this store.
+        TicketError when ``rank`` (if known, >= 0) claimed it before: a rank's second
+        store must not use up another rank's turn."""
         held = self._held.get((tenant, ticket))
         if held is None:
             return None
+        if rank >= 0:
+            if held.claimed >> rank & 1:
+                raise TicketError(f"rank {rank} stored with ticket {ticket} already")
+            held.claimed |= 1 << rank
         held.ranks_left -= 1
         if held.ranks_left == 0:
             del self._held[(tenant, ticket)]

@@ -55,3 +55,17 @@ def test_tickets_with_nothing_to_store_keep_no_per_key_arrays():
     t.add(1, 999, mixed, 1, 10.0, np.arange(4, dtype=np.uint32))
     slots, gens = t.claim(1, 999)
     assert slots.tolist() == mixed.tolist() and gens.tolist() == [0, 1, 2, 3]
+
+
+def test_a_rank_claims_once_and_cannot_use_up_another_ranks_turn():
+    """With TP=2, rank 0 sending a second store under the ticket is refused; rank 1's
+    turn is still there (before, the repeat used it up and rank 1's store was parked
+    until it failed)."""
+    t: Tickets[str] = Tickets()
+    t.add(1, 5, np.array([3, 4]), ranks=2, deadline=10.0)
+    assert t.claim(1, 5, rank=0)[0].tolist() == [3, 4]
+    with pytest.raises(TicketError, match="rank 0"):
+        t.claim(1, 5, rank=0)
+    assert len(t) == 1
+    assert t.claim(1, 5, rank=1)[0].tolist() == [3, 4]
+    assert len(t) == 0  # both ranks stored: retired
