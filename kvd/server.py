@@ -69,7 +69,7 @@ class Server:
             "host": HostEngine(self._engine_done, threads=config.copy_threads,
                                nice=config.copy_nice,
                                pool=self.pool.array),
-            "client_copy": ClientCopyEngine(self._engine_done),
+            "client_copy": ClientCopyEngine(self._engine_done, self.pool.array),
         }
         self.pinner: PoolPinner | None = None
         if config.cuda:

@@ -434,10 +434,17 @@ class ClientCopyEngine(TransferEngine):
 
     name = "client_copy"
 
+    def __init__(self, on_done: DoneCallback, pool: np.ndarray | None = None) -> None:
+        super().__init__(on_done)
+        self.pool = pool  # the daemon's pool mapping: a store's checksums come from it
+
     def attach(self, client: int, pid: int, reg: Register) -> list[int]:
         return [0] * len(reg.fingerprint.rank_page_bytes)  # no remote addresses
 
     def submit(self, job: CopyJob) -> None:
+        # The client wrote the slots already: hash them as a copy thread would, or with
+        # persistence on, a restart would take these blocks for corrupt ones.
+        checksum_after(job, self.pool)
         self.on_done(job, None, 0.0)
 
     def close(self) -> None:

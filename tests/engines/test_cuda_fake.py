@@ -821,6 +821,22 @@ def test_client_copy_engine_completes_on_arrival():
     assert done == [None]
 
 
+def test_client_copy_stores_are_checksummed_from_the_pool():
+    """With checksums on (persistence, verify_on_load) a block the client wrote itself
+    gets its checksum as one a copy thread wrote would: before, it had none, and a
+    restart's recovery dropped it as corrupt."""
+    pool = np.random.default_rng(1).integers(0, 256, 1 << 16, np.uint8)
+    done = []
+    eng = ClientCopyEngine(lambda job, err, s: done.append((job, err)), pool)
+    z = np.zeros(0, np.uint64)
+    job = CopyJob(1, 1, 1, m.Direction.STORE, 1, z, z, z, np.array([0, 1]))
+    job.checksum = ChecksumSpec(np.array([4096, 8192], dtype=np.int64), 4096)
+    eng.submit(job)
+    assert done == [(job, None)]
+    assert job.checksums == [xxhash.xxh3_64_intdigest(pool[o:o + 4096].tobytes())
+                             for o in (4096, 8192)]
+
+
 # ------------------------------------------------------------ pinning
 
 
