@@ -100,8 +100,11 @@ class Persistence:
             by_id[t.id] = tenants.restore(t.id, t.digest, model=t.model, tp_size=t.tp_size,
                                           rank_page_bytes=tuple(t.rank_page_bytes))
         alloc = index.allocator
+        of_tenant: dict[int, list] = {}  # one pass, not one per tenant (up to 1,024)
+        for b in rp.blocks.values():
+            of_tenant.setdefault(b.tenant, []).append(b)
         for tenant_id, t in by_id.items():
-            blocks = [b for b in rp.blocks.values() if b.tenant == tenant_id]
+            blocks = of_tenant.get(tenant_id)
             if not blocks:
                 continue
             slots = np.array([b.slot for b in blocks], dtype=np.int64)
