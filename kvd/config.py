@@ -116,7 +116,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError(f"remote {self.remote!r}: expected redis://HOST:PORT[,HOST:PORT...]")
         if self.remote_lookup_ms < 0:
             raise ValueError("remote_lookup_ms must be 0 (never wait) or more")
-        for key in ("remote_timeout_ms", "tier_queue_bytes", "promote_max_blocks"):
+        for key in ("remote_timeout_ms", "tier_queue_bytes", "promote_max_blocks",
+                    "max_lease_ms", "max_pending_ms"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1")
         if self.remote_ttl_s < 0:

@@ -42,6 +42,7 @@ log = logging.getLogger("kvd.service")
 MAX_TENSORS = 4096  # rank_page_bytes entries of one fingerprint
 MAX_NAME = 1024  # bytes of a fingerprint's names, or a client's name
 MAX_KEY = 1024  # bytes of one block key (vLLM's are 36)
+MAX_DEPTH = (1 << 32) - 1  # a block's position in its request, as tier headers keep it
 Send = Callable[[bytes, m.Reply], None]
 
 
@@ -256,6 +257,7 @@ class Service:
         try:
             self.index.allocator.check_slot_bytes(sum(pages) * fp.tp_size)
             tenant = self.tenants.find(digest)
+            created = tenant is None
             if tenant is None:
                 self._make_room_for_a_tenant()
                 tenant = self.tenants.create(
@@ -265,7 +267,12 @@ class Service:
         except (TenantError, AllocatorError) as e:
             raise RequestError(str(e)) from None
         if msg.rank >= 0:
-            self._attach_memory(client, tenant, msg)
+            try:
+                self._attach_memory(client, tenant, msg)
+            except KvdError:  # refused: a tenant made for this Register goes with it
+                if created and not tenant.clients and not tenant.blocks:
+                    self.tenants.drop(tenant)
+                raise
         client.tenant, client.rank = tenant, msg.rank
         self._block_tokens[tenant.id] = fp.block_tokens
         tenant.clients.add(client.id)
@@ -338,7 +345,10 @@ class Service:
         client.num_blocks = min(r.num_blocks for r in regions)
 
     # ------------------------------------------------------------ index
-    def _check_keys(self, keys: list[bytes]) -> None:
+    def _check_keys(self, keys: list[bytes], depth: int, length: int = 0) -> None:
+        if not (0 <= depth and depth + len(keys) <= MAX_DEPTH and 0 <= length <= MAX_DEPTH):
+            raise RequestError(f"depth {depth} / length {length} with {len(keys)} keys: "
+                               f"positions must lie in 0..{MAX_DEPTH}")
         if len(keys) > self.config.max_keys_per_request:
             raise RequestError(f"{len(keys)} keys in one request; at most "
                                f"{self.config.max_keys_per_request}")
@@ -346,14 +356,16 @@ class Service:
             raise RequestError(f"a key is longer than {MAX_KEY} bytes")
 
     def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
-        self._check_keys(msg.keys)
+        self._check_keys(msg.keys, msg.depth)
         if self.index.leased_by.get(client.id, 0) + len(msg.keys) > self.config.max_leased_blocks:
             raise KvdError(f"lease quota of {self.config.max_leased_blocks} blocks reached; "
                            "release leases first", m.Code.BUSY)
-        lease_s = min(max(msg.lease_ms, 0), self.config.max_lease_ms) / 1000
+        # Hits are always leased (1 ms at least): a load names the lease, and one whose
+        # lease is gone is refused, as its slots may hold other blocks by then.
+        lease_s = min(max(msg.lease_ms, 1), self.config.max_lease_ms) / 1000
         hits, slots, lease, pending = self.index.lookup(
             tenant, msg.keys, owner=client.id, depth=msg.depth, now=self.clock(),
-            lease_s=lease_s if lease_s > 0 else None)
+            lease_s=lease_s)
         tokens = self._block_tokens.get(tenant.id, 0)
         self.counters.lookup_tokens += len(msg.keys) * tokens
         self.counters.hit_tokens += hits * tokens
@@ -370,7 +382,7 @@ class Service:
         now = self.clock()
         pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
         try:
-            self._check_keys(msg.keys)
+            self._check_keys(msg.keys, msg.depth, msg.length)
             room = self.config.max_pending_blocks - self.index.pending_by.get(client.id, 0)
             if room <= 0:
                 raise KvdError(f"pending-store quota of {self.config.max_pending_blocks} "
@@ -393,7 +405,12 @@ class Service:
             slots = np.full(len(msg.keys), NO_SLOT, dtype=np.uint32)
             slots[:len(res.slots)] = res.slots
             self.transfers.add_ticket(tenant, msg.ticket, slots, now + pending_s)
-        return m.Allocated(msg.req, pack_u32(res.slots), res.evicted, res.allocated)
+        slots = np.array(res.slots, dtype=np.uint32)
+        gens = np.zeros(len(slots), dtype=np.uint32)
+        got = slots != NO_SLOT
+        gens[got] = self.index.gen[slots[got].astype(np.int64)]
+        return m.Allocated(msg.req, slots.tobytes(), res.evicted, res.allocated,
+                           gens.tobytes())
 
     def _release(self, client: Client, msg: m.Release) -> m.Reply:
         if self.index.lease_owner(msg.lease) not in (None, client.id):

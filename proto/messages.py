@@ -195,6 +195,9 @@ class Allocated(_Msg, tag="allocated"):
     slots: bytes  # packed, one per key; NO_SLOT where the key is stored already
     evicted: list[bytes]  # keys evicted to make room
     allocated: int = 0  # keys[:allocated] got an answer; the rest did not fit
+    # Packed uint32 per slot (0 for NO_SLOT): the slot's allocation number, which a
+    # store naming these slots sends back (``Transfer.gens``).
+    gens: bytes = b""
 
 
 # ---------------------------------------------------------------- data
@@ -218,6 +221,10 @@ class Transfer(_Msg, tag="transfer"):
     # gone (lapsed, released, dropped with its connection, or of another daemon run),
     # when the slots may hold other blocks.
     lease: int = 0
+    # A store that names slots (no ticket) should send back their ``Allocated.gens``: a
+    # slot given up (aborted, expired) and handed out again since is then refused
+    # instead of written with another key's bytes (empty: the sender is trusted).
+    gens: bytes = b""
 
 
 class Done(_Msg, tag="done"):

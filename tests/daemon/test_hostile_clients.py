@@ -7,6 +7,7 @@ import os
 import uuid
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvd.access import Peer
@@ -116,3 +117,125 @@ def test_a_host_region_outside_the_address_space_is_refused(service):
                     [m.HostRegion(1 << 40, 1 << 31, 1 << 40, p) for p in spec.pages]):
         reply = service.handle(b"w", peer, m.Register(2, fingerprint(spec), 0, regions))
         assert isinstance(reply, m.Error) and "address space" in reply.message
+
+
+def test_a_register_refused_at_its_memory_leaves_no_tenant(service):
+    spec = Spec("unused", seed=4)
+    mem = make_memory(spec)
+    peer = hello(service, b"w")
+    regions = host_regions(mem)[:1]  # one region for a fingerprint of two tensors
+    reply = service.handle(b"w", peer, m.Register(2, fingerprint(spec), 0, regions))
+    assert isinstance(reply, m.Error) and reply.code == m.Code.SIZE_MISMATCH
+    assert len(service.tenants) == 0
+    # a tenant that other clients use stays when one more is refused
+    assert isinstance(service.handle(b"w2", hello(service, b"w2"), m.Register(
+        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    reply = service.handle(b"w3", hello(service, b"w3"), m.Register(
+        2, fingerprint(spec), 0, regions))
+    assert isinstance(reply, m.Error) and len(service.tenants) == 1
+
+
+@pytest.mark.parametrize("depth, length", [
+    (-1, 0), (1 << 32, 0), ((1 << 64) - 1, 0), ((1 << 32) - 2, 0), (0, -1), (0, 1 << 32)])
+def test_a_position_out_of_range_is_refused_before_the_index_changes(service, depth, length):
+    """Before, an Allocate at depth 2**63 or more failed INTERNAL with its slots left
+    PENDING (Lookups then said "pending" for blocks that never came), and a negative
+    depth made READY blocks that no tier could take, failing their whole batch."""
+    spec = Spec("unused", seed=5)
+    mem = make_memory(spec)
+    peer = hello(service, b"w")
+    assert isinstance(service.handle(b"w", peer, m.Register(
+        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    keys = [b"a", b"b", b"c"]
+    got = service.handle(b"w", peer, m.Allocate(3, keys, depth=depth, length=length))
+    assert isinstance(got, m.Error) and got.code == m.Code.BAD_REQUEST
+    assert "positions must lie in" in got.message
+    if length == 0:
+        looked = service.handle(b"w", peer, m.Lookup(4, keys, depth=depth))
+        assert isinstance(looked, m.Error) and looked.code == m.Code.BAD_REQUEST
+    assert service.index.pending_blocks == 0 and service.index.ready_blocks == 0
+    assert not service.index.leased_by
+    ok = service.handle(b"w", peer, m.Allocate(5, keys, depth=(1 << 32) - 4, length=0))
+    assert isinstance(ok, m.Allocated) and ok.allocated == 3  # the last positions fit
+
+
+def test_hits_are_always_leased_so_a_load_cannot_outlive_its_blocks(service):
+    """A Lookup asking for no lease (lease_ms 0) still gets one, of 1 ms: a load naming
+    it later is refused instead of copying whatever the slots hold by then."""
+    spec = Spec("unused", seed=6)
+    mem = make_memory(spec)
+    peer = hello(service, b"w")
+    assert isinstance(service.handle(b"w", peer, m.Register(
+        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    got = service.handle(b"w", peer, m.Allocate(3, [b"k"]))
+    assert isinstance(got, m.Allocated)
+    service.index.store_done(np.frombuffer(got.slots, dtype=np.uint32).astype(np.int64), 0)
+    hit = service.handle(b"w", peer, m.Lookup(4, [b"k"], lease_ms=0))
+    assert isinstance(hit, m.LookupOk) and hit.hits == 1 and hit.lease != 0
+    assert service.index.leased(hit.lease, np.frombuffer(hit.slots, dtype=np.uint32)
+                                .astype(np.int64))
+    with pytest.raises(ValueError, match="max_lease_ms"):
+        Config(max_lease_ms=0)
+
+
+def test_a_late_store_into_a_slot_handed_out_again_is_refused_by_its_gens(service):
+    """K1's slot is aborted and handed to K2 (the free list is last-in first-out); K1's
+    late store names the slot with the allocation number it was given: refused, so K2
+    never holds K1's bytes. K2's own store, with its number, goes ahead."""
+    spec = Spec("unused", seed=7)
+    mem = make_memory(spec)
+    peer = hello(service, b"w")
+    assert isinstance(service.handle(b"w", peer, m.Register(
+        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    first = service.handle(b"w", peer, m.Allocate(3, [b"k1"]))
+    assert isinstance(first, m.Allocated) and len(first.gens) == 4
+    assert isinstance(service.handle(b"w", peer, m.Abort(4, first.slots)), m.Ok)
+    second = service.handle(b"w", peer, m.Allocate(5, [b"k2"]))
+    assert second.slots == first.slots and second.gens != first.gens
+    late = service.handle(b"w", peer, m.Transfer(6, 1, m.Direction.STORE, pack_u32([0]),
+                                                 first.slots, gens=first.gens))
+    assert isinstance(late, m.Done) and late.code == m.Code.EXPIRED
+    assert "handed out again" in late.message
+    torn = service.handle(b"w", peer, m.Transfer(7, 2, m.Direction.STORE, pack_u32([0]),
+                                                 first.slots, gens=b"\x01"))
+    assert isinstance(torn, m.Done) and torn.code == m.Code.BAD_IDS
+    assert service.index.pending_blocks == 1  # K2's slot, still waiting for its store
+    own = service.handle(b"w", peer, m.Transfer(8, 3, m.Direction.STORE, pack_u32([0]),
+                                                second.slots, gens=second.gens))
+    assert own is None  # accepted: its Done comes when the copy ends
+
+
+def test_transfers_released_by_their_allocate_each_get_one_done_despite_a_bug(service,
+                                                                             monkeypatch):
+    """Stores that overtook their Allocate wait for it; when it comes, each one ends
+    once, even if accepting one of them hits an internal error (before, the error left
+    add_ticket and the rest, already taken off the parked list, never got a Done)."""
+    spec = Spec("unused", seed=8)
+    mem = make_memory(spec)
+    peer = hello(service, b"w")
+    assert isinstance(service.handle(b"w", peer, m.Register(
+        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    pushed: list[m.Done] = []
+    monkeypatch.setattr(service.transfers, "send", lambda ident, reply: pushed.append(reply))
+    for event in (1, 2):
+        parked = service.handle(b"w", peer, m.Transfer(10 + event, event, m.Direction.STORE,
+                                                       pack_u32([0]), b"", ticket=42))
+        assert parked is None
+    real = service.transfers._job
+    calls = []
+
+    def broken_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(service.transfers, "_job", broken_once)
+    allocated = service.handle(b"w", peer, m.Allocate(20, [b"k"], ticket=42))
+    assert isinstance(allocated, m.Allocated)
+    assert [(d.event, d.code) for d in pushed] == [(1, m.Code.INTERNAL)]
+    # TP=1: the first used the ticket up, so the second waits again, and ends at its
+    # deadline like any Transfer whose ticket never comes
+    assert service.transfers.tickets.parked == 1
+    service.transfers.expire(now=float("inf"))
+    assert [(d.event, d.code) for d in pushed] == [(1, m.Code.INTERNAL), (2, m.Code.BAD_IDS)]

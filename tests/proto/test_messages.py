@@ -20,10 +20,11 @@ def test_golden_bytes_of_core_messages():
         "97a4646f6e65" "0905" "00" "a0" "00" "cb0000000000000000")
     t = m.Transfer(9, 5, m.Direction.LOAD, pack_u32([1, 2]), pack_u32([3]))
     assert m.encode(t).hex() == (
-        "9aa87472616e73666572" "09" "05" "01" "c4080100000002000000" "c40403000000" "ff"
+        "9ba87472616e73666572" "09" "05" "01" "c4080100000002000000" "c40403000000" "ff"
         "00"  # ticket, appended in the same protocol version (the wire only grows)
         "00"  # deadline_ns, appended the same way
-        "00")  # lease, appended the same way
+        "00"  # lease, appended the same way
+        "c400")  # gens, appended the same way
     assert m.encode(m.Bye(0)).hex() == "92a362796500"
 
 
@@ -138,3 +139,24 @@ def test_bad_input_raises_decode_errors_not_crashes():
             m.decode_request(data)
     assert m.peek_req(m.encode(m.Lookup(77, [b"k"]))[:-1]) == 0
     assert m.peek_req(m.encode(m.Lookup(77, [b"k"]))) == 77
+
+
+def test_store_gens_grow_the_wire_both_ways():
+    # A client from before gens: its Transfer and the Allocated it reads decode as before.
+    old = msgspec.msgpack.encode(["transfer", 9, 5, 0, b"", b"", -1, 0, 0, 0])
+    assert m.decode_request(old).gens == b""
+    old_allocated = msgspec.msgpack.encode(["allocated", 4, pack_u32([1]), [], 1])
+    assert m.decode_reply(old_allocated).gens == b""
+
+    # Peers from before read the new messages, without the field they do not know.
+    store = m.Transfer(9, 5, m.Direction.STORE, pack_u32([1]), pack_u32([2]),
+                       gens=pack_u32([7]))
+    allocated = m.Allocated(4, pack_u32([2]), [], 1, pack_u32([7]))
+    for msg, last in ((store, "lease"), (allocated, "allocated")):
+        fields = [(f.name, f.type, f.default) for f in msgspec.structs.fields(type(msg))]
+        upto = [f[0] for f in fields].index(last) + 1
+        old_type = msgspec.defstruct("Old", fields[:upto], array_like=True,
+                                     tag=msg.__struct_config__.tag)
+        assert msgspec.msgpack.decode(m.encode(msg), type=old_type).req == msg.req
+    assert m.decode_request(m.encode(store)) == store
+    assert m.decode_reply(m.encode(allocated)) == allocated
