@@ -80,6 +80,7 @@ class _Req:
     epoch: int = 0  # the connection's registration the Lookup went out on
     instance: str = ""
     refresh: bool = False  # answered HIT_PENDING: ask again at the end of the step
+    served: bool = False  # the current reply answered a HIT (its lease was live then)
     loaded: bool = False
 
 
@@ -149,9 +150,17 @@ class KvdManager(OffloadingManager):
                 return RETRY
         # The lease may lapse before a load, or belong to a connection since replaced
         # (the daemon drops its leases; their slots may hold other keys): ask again.
+        # Replies found lapsed before they answered a single scan (a step longer than
+        # the lease) are asked again only so often: the request then misses instead of
+        # waiting for ever.
         if st.hits and (now >= st.lease_until or st.epoch != self.conn.epoch):
+            if not st.served and st.asked_again >= MAX_ASKED_AGAIN:
+                self._release(st)
+                st.gave_up = True
+                return MISS
             return self._ask_again(st, key)
         if key in st.hits:
+            st.served = True
             return HIT
         if key in st.pending and now - st.first_seen < self.options.pending_wait_ms / 1000:
             if not st.refresh:
@@ -233,7 +242,7 @@ class KvdManager(OffloadingManager):
 
     def _send_lookup(self, st: _Req, keys: list[bytes]) -> None:
         now = time.monotonic()
-        st.sent, st.keys, st.refresh = keys, {}, False
+        st.sent, st.keys, st.refresh, st.served = keys, {}, False, False
         st.instance, st.epoch = self.conn.instance, self.conn.epoch
         st.future = self.conn.submit(m.Lookup(self.conn.next_req(), keys,
                                               lease_ms=self.options.lease_ms,
@@ -278,7 +287,9 @@ class KvdManager(OffloadingManager):
         self._reap_abandoned()
 
     def has_pending_work(self) -> bool:
-        return bool(self._to_send or self._refresh or self._waiting)
+        # _abandoned: replies still to come whose leases must be released (an idle
+        # engine takes no step otherwise, and they stay pinned until they lapse)
+        return bool(self._to_send or self._refresh or self._waiting or self._abandoned)
 
     # ------------------------------------------------------------ loads
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> KvdSlots:
@@ -377,6 +388,9 @@ class KvdManager(OffloadingManager):
         st = self._reqs.pop(req_context.req_id, None)
         if st is not None:
             self.boundary.guard("on_request_finished", lambda: None, lambda: self._drop(st))
+            # vLLM calls this after on_schedule_end: a reply already in (a request that
+            # never scanned, e.g. its prompt cached in the engine) is released now
+            self.boundary.guard("on_request_finished", lambda: None, self._reap_abandoned)
 
     def reset_cache(self) -> None:
         self.boundary.guard("reset_cache", lambda: None, self._drop_all)

@@ -205,6 +205,54 @@ def test_leases_released_on_reset_cache_and_shutdown(engine_side, daemon):
     assert wait_leases(daemon, 0) == 0
 
 
+def test_steps_longer_than_the_lease_make_a_miss_not_a_request_parked_for_ever(engine_side,
+                                                                              daemon):
+    """Each reply is read a step after it was asked for; with steps longer than the
+    lease, every reply is found lapsed. Before, the request was asked about again and
+    answered RETRY at every step, for ever; now it misses after a few (and vLLM
+    computes it), its leases released."""
+    writer, worker, _ = engine_side
+    keys = keys_for("l", 3)
+    store(writer, worker, keys, [1, 2, 3], job_id=0)
+    mgr = KvdManager(options(daemon.socket, lease_ms=100), writer.fingerprint, FACTS)
+    assert mgr.conn.wait_up(10)
+    ctx = request("r30", keys)
+    mgr.on_new_request(ctx)
+    seen = []
+    for _ in range(10):
+        seen.append(scan(mgr, ctx, keys))
+        mgr.on_schedule_end(END)
+        if seen[-1] == [MISS]:
+            break
+        time.sleep(0.15)  # the step's forward pass: longer than 0.8 x the lease
+    assert seen[-1] == [MISS] and len(seen) <= 8, seen  # 4 here: 3 asks, then a miss
+    assert all(set(res) == {RETRY} for res in seen[:-1]), seen
+    mgr.on_request_finished(ctx)
+    assert wait_leases(daemon, 0) == 0
+    mgr.shutdown()
+
+
+def test_a_reply_nobody_scanned_is_released_when_its_request_ends(engine_side, daemon):
+    """A request whose prompt vLLM holds itself is never scanned: the Lookup sent on its
+    arrival leases blocks that nothing loads. Its end releases them at once, not at the
+    next step (an idle engine takes none), and no work is left pending."""
+    writer, worker, _ = engine_side
+    keys = keys_for("u", 3)
+    store(writer, worker, keys, [1, 2, 3], job_id=0)
+    mgr = KvdManager(options(daemon.socket), writer.fingerprint, FACTS)
+    assert mgr.conn.wait_up(10)
+    ctx = request("r31", keys)
+    mgr.on_new_request(ctx)
+    mgr.prefetch("r31", keys)
+    assert wait_leases(daemon, 1) == 1  # its reply is in
+    assert wait_for(lambda: mgr._reqs["r31"].future.done(), 5)
+    assert mgr.has_pending_work()
+    mgr.on_request_finished(ctx)  # no scan, no on_schedule_end
+    assert wait_leases(daemon, 0) == 0
+    assert not mgr.has_pending_work()
+    mgr.shutdown()
+
+
 def test_lookup_sent_on_arrival_answers_the_first_scan(engine_side, daemon):
     """KvdConnector hands over a request's keys as it arrives: the first scan answers
     from the reply (no RETRY, so vLLM schedules the request in this very step)."""
