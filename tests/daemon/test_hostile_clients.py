@@ -69,6 +69,17 @@ def hello(service: Service, ident: bytes, uid: int | None = None, name: str = ""
     return peer
 
 
+def registered(service: Service, ident: bytes, seed: int):
+    """A client registered with host memory of its own (rank 0): its peer, and the
+    memory (keep it alive while the daemon may copy)."""
+    spec = Spec("unused", seed=seed)
+    mem = make_memory(spec)
+    peer = hello(service, ident)
+    reply = service.handle(ident, peer, m.Register(2, fingerprint(spec), 0, host_regions(mem)))
+    assert isinstance(reply, m.Registered)
+    return peer, mem
+
+
 @pytest.mark.parametrize("change, why", [
     ({"rank_page_bytes": [1] * 5000}, "page sizes"),
     ({"rank_page_bytes": [4096, 0]}, "page sizes"),
@@ -141,11 +152,7 @@ def test_a_position_out_of_range_is_refused_before_the_index_changes(service, de
     """Before, an Allocate at depth 2**63 or more failed INTERNAL with its slots left
     PENDING (Lookups then said "pending" for blocks that never came), and a negative
     depth made READY blocks that no tier could take, failing their whole batch."""
-    spec = Spec("unused", seed=5)
-    mem = make_memory(spec)
-    peer = hello(service, b"w")
-    assert isinstance(service.handle(b"w", peer, m.Register(
-        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    peer, _mem = registered(service, b"w", seed=5)
     keys = [b"a", b"b", b"c"]
     got = service.handle(b"w", peer, m.Allocate(3, keys, depth=depth, length=length))
     assert isinstance(got, m.Error) and got.code == m.Code.BAD_REQUEST
@@ -162,11 +169,7 @@ def test_a_position_out_of_range_is_refused_before_the_index_changes(service, de
 def test_hits_are_always_leased_so_a_load_cannot_outlive_its_blocks(service):
     """A Lookup asking for no lease (lease_ms 0) still gets one, of 1 ms: a load naming
     it later is refused instead of copying whatever the slots hold by then."""
-    spec = Spec("unused", seed=6)
-    mem = make_memory(spec)
-    peer = hello(service, b"w")
-    assert isinstance(service.handle(b"w", peer, m.Register(
-        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    peer, _mem = registered(service, b"w", seed=6)
     got = service.handle(b"w", peer, m.Allocate(3, [b"k"]))
     assert isinstance(got, m.Allocated)
     service.index.store_done(np.frombuffer(got.slots, dtype=np.uint32).astype(np.int64), 0)
@@ -182,11 +185,7 @@ def test_a_late_store_into_a_slot_handed_out_again_is_refused_by_its_gens(servic
     """K1's slot is aborted and handed to K2 (the free list is last-in first-out); K1's
     late store names the slot with the allocation number it was given: refused, so K2
     never holds K1's bytes. K2's own store, with its number, goes ahead."""
-    spec = Spec("unused", seed=7)
-    mem = make_memory(spec)
-    peer = hello(service, b"w")
-    assert isinstance(service.handle(b"w", peer, m.Register(
-        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    peer, _mem = registered(service, b"w", seed=7)
     first = service.handle(b"w", peer, m.Allocate(3, [b"k1"]))
     assert isinstance(first, m.Allocated) and len(first.gens) == 4
     assert isinstance(service.handle(b"w", peer, m.Abort(4, first.slots)), m.Ok)
@@ -210,11 +209,7 @@ def test_transfers_released_by_their_allocate_each_get_one_done_despite_a_bug(se
     """Stores that overtook their Allocate wait for it; when it comes, each one ends
     once, even if accepting one of them hits an internal error (before, the error left
     add_ticket and the rest, already taken off the parked list, never got a Done)."""
-    spec = Spec("unused", seed=8)
-    mem = make_memory(spec)
-    peer = hello(service, b"w")
-    assert isinstance(service.handle(b"w", peer, m.Register(
-        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    peer, _mem = registered(service, b"w", seed=8)
     pushed: list[m.Done] = []
     monkeypatch.setattr(service.transfers, "send", lambda ident, reply: pushed.append(reply))
     for event in (1, 2):
