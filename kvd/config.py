@@ -117,9 +117,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         if self.remote_lookup_ms < 0:
             raise ValueError("remote_lookup_ms must be 0 (never wait) or more")
         for key in ("remote_timeout_ms", "tier_queue_bytes", "promote_max_blocks",
-                    "max_lease_ms", "max_pending_ms"):
+                    "max_lease_ms", "max_pending_ms", "client_timeout_ms",
+                    "max_keys_per_request", "max_leased_blocks", "max_pending_blocks"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1")
+        if self.stop_timeout_ms < 0:
+            raise ValueError("stop_timeout_ms must be 0 (no wait) or more")
         if self.remote_ttl_s < 0:
             raise ValueError("remote_ttl_s must be 0 (no TTL) or more")
 

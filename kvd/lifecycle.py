@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvd.access import Access
 from kvd.config import Config
 from kvd.errors import KvdError
 from kvd.metrics import LoopSnapshot, Metrics
@@ -177,6 +178,9 @@ class Lifecycle:
         if self.reload_config is None:
             log.warning("SIGHUP: reload not available (no configuration source)")
             return
+        if self.phase != "serving":  # stopping: no RELOADING/READY after STOPPING
+            log.warning("SIGHUP while %s: not reloaded", self.phase)
+            return
         self.notifier.reloading()
         try:
             try:
@@ -196,6 +200,11 @@ class Lifecycle:
         if live:
             effective = msgspec.structs.replace(server.config,
                                                 **{k: v[1] for k, v in live.items()})
+            try:  # e.g. a group that does not exist would refuse every client
+                Access(effective)
+            except KvdError as e:
+                log.error("reload failed, keeping the running configuration: %s", e)
+                return {}
             self.origins.update({k: origins[k] for k in live if k in origins})
             server.apply_config(effective, self.origins)
             if "log_level" in live:

@@ -96,14 +96,20 @@ class Pool:
                 f"cannot size pool file {path} to {size} bytes: {e.strerror} "
                 "(is /dev/shm large enough?)"
             ) from None
-        except BaseException:
+        except BaseException:  # e.g. a stop during start-up: ours and empty, so gone
+            if not self.reused:
+                _unlink(path)
             os.close(fd)
             raise
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.base = self.array.ctypes.data
-        if prefault:
-            self._prefault()
-        self.locked = lock and self._mlock()
+        try:
+            if prefault:
+                self._prefault()
+            self.locked = lock and self._mlock()
+        except BaseException:  # e.g. a stop during a long prefault: leave nothing
+            self.close()
+            raise
 
     def _prefault(self) -> None:
         rc = _libc.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size),

@@ -15,12 +15,13 @@ import os
 import signal
 import socket
 import stat
+import threading
 import time
 
 import msgspec
 import zmq
 
-from kvd.access import UNKNOWN_PEER, Peer
+from kvd.access import UNKNOWN_PEER, Access, Peer
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
 from kvd.engines.cuda import ClientCopyEngine, CudaEngine, gpu_path
@@ -61,17 +62,33 @@ class Server:
         if _listening(config.socket):  # before the pool: a refusal leaves nothing behind
             raise ConfigError(f"another kvd is listening at {config.socket}; stop it or "
                               "give this one another socket")
+        Access(config)  # allowed_groups that name no group: refused before anything exists
+        # Until run() takes them over: a stop during a long start-up (pool prefault,
+        # journal restore) exits cleanly, removing what was made; a reload waits.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _stop_starting)
+        self.pinner: PoolPinner | None = None
+        self.engines: dict[str, TransferEngine] = {}
+        self._bound = False  # the socket path is ours to remove
+        try:
+            self._start(config)
+        except BaseException:
+            self._undo_start()
+            raise
+
+    def _start(self, config: Config) -> None:
         with self.lifecycle.preparing(f"preparing pool: {config.pool_size >> 20} MiB at "
                                       f"{config.pool_path}", config.pool_size):
             self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
                              lock=config.mlock, keep=config.persist)
-        self.engines: dict[str, TransferEngine] = {
+        self.engines = {
             "host": HostEngine(self._engine_done, threads=config.copy_threads,
                                nice=config.copy_nice,
                                pool=self.pool.array),
             "client_copy": ClientCopyEngine(self._engine_done, self.pool.array),
         }
-        self.pinner: PoolPinner | None = None
         if config.cuda:
             self._start_cuda()
         with self.lifecycle.preparing(f"restoring the index from {config.journal}"
@@ -103,6 +120,37 @@ class Server:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self._bind()
 
+    def _undo_start(self) -> None:
+        """A start-up that failed (or was stopped) removes what it made: the socket, the
+        engines' threads, the pool file (kept when persistence is on), best effort."""
+        service, sock, pool = (getattr(self, a, None) for a in ("service", "sock", "pool"))
+        steps = [engine.close for engine in self.engines.values()]
+        if service is not None and service.tiering is not None:
+            steps.append(service.tiering.close)
+        if service is not None and service.kv_events is not None:
+            steps.append(lambda: service.kv_events.close(clear=service.persist is None))
+        if self.pinner is not None:
+            steps.append(self.pinner.release)
+        if sock is not None:
+            steps.append(lambda: sock.close(linger=0))
+        if self._bound:
+            steps.append(self._unlink_socket)
+        if service is not None and service.persist is not None:
+            steps.append(service.persist.close)
+        if pool is not None:
+            steps.append(pool.close)
+        for step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - the start-up error is the one to report
+                log.exception("cleaning up after a failed start")
+
+    def _unlink_socket(self) -> None:
+        try:
+            os.unlink(self.config.socket)
+        except FileNotFoundError:
+            pass
+
     def _bind(self) -> None:
         path = self.config.socket
         directory = os.path.dirname(path) or "."
@@ -115,6 +163,7 @@ class Server:
             self.sock.bind(f"ipc://{path}")
         except zmq.ZMQError as e:
             raise ConfigError(f"cannot bind {path}: {e}") from None
+        self._bound = True
         os.chmod(path, self.config.socket_mode)
         if self.config.socket_group:
             import grp
@@ -167,6 +216,7 @@ class Server:
 
     def begin_stop(self) -> None:
         self.service.stopping = True  # new work gets BUSY
+        self.service.transfers.end_parked()  # their Allocates would get BUSY too
         self.stopping.set()
 
     # ------------------------------------------------------------ engines
@@ -296,7 +346,7 @@ class Server:
         self.close()
         # Stopped cleanly: a later stop signal (systemd's or an operator's second one)
         # must not turn the exit into death by signal once the loop's handlers are gone.
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self.loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
 
@@ -318,10 +368,7 @@ class Server:
             os.close(fd)
         self._pidfds.clear()
         self.sock.close(linger=0)
-        try:
-            os.unlink(self.config.socket)
-        except FileNotFoundError:
-            pass
+        self._unlink_socket()
         if self.service.persist is not None:
             self.service.persist.drain(self.service.index)
             self.service.persist.close()
@@ -332,6 +379,13 @@ async def serve(config: Config, origins: dict[str, str] | None = None,
                 reload_config: ReloadFn | None = None) -> None:
     server = Server(config, origins, reload_config)
     await server.run()
+
+
+def _stop_starting(signum: int, frame: object) -> None:
+    """SIGTERM/SIGINT before the loop serves: unwind the start-up (``_undo_start``),
+    then exit 0, as a stop once serving does."""
+    log.info("stopped during start-up (signal %d)", signum)
+    raise SystemExit(0)
 
 
 def _listening(path: str) -> bool:

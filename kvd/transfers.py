@@ -393,6 +393,14 @@ class Transfers:
                              "or every rank stored with it already)")
             self._push(client, self.done(client, msg, err))
 
+    def end_parked(self) -> None:
+        """Stopping: Transfers still waiting for their ticket's Allocate end now (a
+        stopping daemon answers Allocates BUSY, and its ticks end)."""
+        for client, msg in self.tickets.expire(math.inf):
+            if not client.gone:
+                self._push(client, self.done(client, msg, KvdError(
+                    "kvd is stopping; retry once it is back", m.Code.BUSY)))
+
     def cancel(self, client: Client) -> None:
         """The client is gone: copy nothing more for it (engines see the deadline)."""
         now = self.clock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -166,4 +167,23 @@ def test_a_load_naming_a_lease_that_is_gone_is_refused(daemon_factory):
     finally:
         for x in (w, r):
             x.close()
+        sched.close()
+
+
+def test_a_store_parked_for_its_allocate_ends_when_the_daemon_stops(daemon):
+    """A stopping daemon answers Allocates BUSY and ticks no more: the store that
+    overtook its Allocate gets its Done from the daemon at once (before, none came, and
+    the client made one up when the daemon exited)."""
+    r0 = Spec(daemon.socket, seed=8)
+    sched, w = scheduler(daemon, r0), Worker(r0)
+    try:
+        assert w.send_store(1, range(2), ticket=90)  # overtakes its Allocate: parked
+        time.sleep(0.2)
+        daemon.proc.send_signal(signal.SIGTERM)
+        code, message = w.wait(1)[1:3]
+        assert code == m.Code.BUSY and "stopping" in message
+        assert daemon.proc.wait(15) == 0
+        daemon.proc = None
+    finally:
+        w.close()
         sched.close()

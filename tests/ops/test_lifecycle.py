@@ -200,3 +200,112 @@ def test_daemon_log_is_plain_one_line_events(daemon_factory):
     lines = d.logs().splitlines()
     assert lines and all(re.match(r"(DEBUG|INFO|WARNING|ERROR) kvd[\w.]*: ", ln) for ln in lines)
     assert "\x1b" not in d.logs()
+
+
+def _run_to_exit(d, timeout: float = 30.0) -> int:
+    """Start ``d`` without waiting for it to serve; its exit status."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
+           "--pool-path", d.pool_path, *d.args]
+    with open(d.log, "ab") as log:
+        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={k: v for k, v in os.environ.items()
+                                   if not k.startswith("KVD_E2E")}).returncode
+
+
+def test_a_start_that_fails_after_the_pool_exists_leaves_nothing_behind(daemon_factory):
+    """The events endpoint is taken; then a socket group that does not exist (checked
+    after the socket is bound). Before, the pool file (all of pool_size in tmpfs) and
+    the socket stayed behind."""
+    import socket as so
+    taken = so.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        d = daemon_factory("--events-endpoint", f"tcp://127.0.0.1:{port}", start=False)
+        assert _run_to_exit(d) == 1
+        assert "cannot bind the events endpoint" in d.logs()
+        assert not os.path.exists(d.pool_path) and not os.path.exists(d.socket)
+    finally:
+        taken.close()
+    d = daemon_factory(start=False)
+    f = d.log.parent / f"{uuid.uuid4().hex[:6]}.toml"
+    f.write_text('socket_group = "no-such-group-kvd"\n')
+    d.args += ["--config", str(f)]
+    assert _run_to_exit(d) == 1
+    assert "socket_group" in d.logs()
+    assert not os.path.exists(d.pool_path) and not os.path.exists(d.socket)
+
+
+def test_a_stop_during_start_up_exits_cleanly_and_a_reload_waits(daemon_factory):
+    """SIGTERM while the pool is still being made: exit 0, nothing left (before: killed
+    by the signal, the pool file left). SIGHUP then: ignored until the daemon serves
+    (before: killed)."""
+    import subprocess
+    import sys
+    for sig, serving in ((signal.SIGTERM, False), (signal.SIGHUP, True)):
+        d = daemon_factory(start=False)
+        d.args[d.args.index("--pool-size") + 1] = "2G"  # a start-up long enough to hit
+        cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
+               "--pool-path", d.pool_path, *d.args]
+        proc = subprocess.Popen(cmd, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(d.pool_path) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            proc.send_signal(sig)
+            if serving:
+                deadline = time.monotonic() + 60
+                while not os.path.exists(d.socket) and proc.poll() is None \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert proc.poll() is None and os.path.exists(d.socket), d.logs()
+                proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, d.logs()
+            assert not os.path.exists(d.pool_path) and not os.path.exists(d.socket)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_reloads_that_would_lock_clients_out_are_refused(daemon_factory, tmp_path, capsys):
+    """A group that does not exist would refuse every Hello (kvdctl's too); a client
+    timeout of 0 would drop every client at the next tick. The running values stay."""
+    f = tmp_path / "kvd.toml"
+    f.write_text("client_timeout_ms = 10000\n")
+    d = daemon_factory("--config", str(f), "--metrics-port", "0")
+    f.write_text('allowed_groups = ["no-such-group-kvd"]\n')
+    os.kill(d.pid, signal.SIGHUP)
+    assert "reload failed, keeping the running configuration" in wait_log(
+        d, "reload failed")
+    assert config_json(d, capsys)["allowed_groups"]["value"] == []  # kvdctl still gets in
+    f.write_text("client_timeout_ms = 0\n")
+    os.kill(d.pid, signal.SIGHUP)
+    assert "client_timeout_ms must be at least 1" in wait_log(d, "client_timeout_ms must")
+    assert config_json(d, capsys)["client_timeout_ms"]["value"] == 10000
+    from kvd.access import Access
+    from kvd.errors import ConfigError
+    with pytest.raises(ConfigError, match="no-such"):
+        Access(Config(allowed_groups=["no-such-group-kvd"]))
+
+
+def test_a_reload_signal_while_stopping_is_not_applied():
+    """systemd would see RELOADING=1 and READY=1 after STOPPING=1."""
+    async def scenario():
+        server = _FakeDaemon(inflight=0, stop_timeout_ms=300)
+        asked = []
+        life = Lifecycle(server, None, lambda: asked.append(1) or (server.config, {}),
+                         notifier=Notifier(None))
+        life.status_line = lambda: "x"
+        life.phase = "serving"
+        life.reload()
+        assert asked == [1]  # serving: reloaded
+        life.request_stop()
+        life.reload()
+        await life.drain()
+        return asked
+
+    assert asyncio.run(scenario()) == [1]
