@@ -202,6 +202,11 @@ def test_daemon_log_is_plain_one_line_events(daemon_factory):
     assert "\x1b" not in d.logs()
 
 
+def _daemon_env() -> dict[str, str]:
+    """The suite's own KVD_E2E_* switches are not daemon configuration."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVD_E2E")}
+
+
 def _run_to_exit(d, timeout: float = 30.0) -> int:
     """Start ``d`` without waiting for it to serve; its exit status."""
     import subprocess
@@ -210,8 +215,7 @@ def _run_to_exit(d, timeout: float = 30.0) -> int:
            "--pool-path", d.pool_path, *d.args]
     with open(d.log, "ab") as log:
         return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                              env={k: v for k, v in os.environ.items()
-                                   if not k.startswith("KVD_E2E")}).returncode
+                              env=_daemon_env()).returncode
 
 
 def test_a_start_that_fails_after_the_pool_exists_leaves_nothing_behind(daemon_factory):
@@ -250,7 +254,8 @@ def test_a_stop_during_start_up_exits_cleanly_and_a_reload_waits(daemon_factory)
         d.args[d.args.index("--pool-size") + 1] = "2G"  # a start-up long enough to hit
         cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
                "--pool-path", d.pool_path, *d.args]
-        proc = subprocess.Popen(cmd, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT,
+                                env=_daemon_env())
         try:
             deadline = time.monotonic() + 20
             while not os.path.exists(d.pool_path) and time.monotonic() < deadline:
