@@ -147,14 +147,19 @@ class StatusCollector(Collector):
         used = GaugeMetricFamily("kvd_tier_bytes", "Bytes held per tier", labels=["tier"])
         cap = GaugeMetricFamily("kvd_tier_capacity_bytes", "Capacity per tier (where known)",
                                 labels=["tier"])
-        up = GaugeMetricFamily("kvd_tier_up", "1 when the tier is usable (breaker closed)",
-                               labels=["tier"])
+        up = GaugeMetricFamily("kvd_tier_up", "1 unless the tier's last call failed (or its "
+                               "breaker is open)", labels=["tier"])
+        rejected = CounterMetricFamily("kvd_tier_rejected_blocks", "Blocks a tier answered "
+                                       "with an error when written (a full cluster...)",
+                                       labels=["tier"])
         for name, t in sorted(tiers.items()):
-            for fam, key in ((blocks, "blocks"), (used, "bytes"), (cap, "capacity_bytes")):
+            for fam, key in ((blocks, "blocks"), (used, "bytes"), (cap, "capacity_bytes"),
+                             (rejected, "rejected_blocks")):
                 if isinstance(t.get(key), int):
                     fam.add_metric([name], t[key])
-            up.add_metric([name], 0 if t.get("state") == "open" else 1)
-        yield from (blocks, used, cap, up)
+            down = t.get("state") in ("open", "half_open") or t.get("consecutive_failures")
+            up.add_metric([name], 0 if down else 1)
+        yield from (blocks, used, cap, up, rejected)
 
     @staticmethod
     def _counters(c: dict[str, Any]) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ rediscovers the topology (a failover); a breaker stops calling a cluster that is
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,10 @@ Client = redis.Redis | RedisCluster
 Command = tuple[Any, ...]
 # What makes a call fail (and count against the breaker), as opposed to one bad block.
 _FAILURES = (RedisError, RedisClusterException, OSError)
+# A round trip's deadline: ``remote_timeout_ms`` plus its value bytes at this rate. Each
+# socket read has the timeout, but a link that trickles bytes inside it would otherwise
+# hold a read (and the Lookups promised its blocks) for as long as it likes.
+MIN_BYTES_PER_S = 32 << 20
 _ADDR = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})")
 
 
@@ -101,6 +106,7 @@ class RedisTier(Tier):
         self._opened_at: float | None = None  # the breaker is open (or half open)
         self._trial = False  # the one call let through while half open is in flight
         self.written_blocks = self.read_blocks = self.corrupt_blocks = self.errors = 0
+        self.rejected_blocks = 0  # puts the cluster answered with an error (OOM...)
         self.last_error = ""
 
     # ------------------------------------------------------------ the Tier API
@@ -115,18 +121,33 @@ class RedisTier(Tier):
                     cmds.append(("SET", _name(ns, b.key), _value(ns, b), *ttl))
                 except ValueError:  # a key or depth its header cannot hold: declined
                     continue
-            ok = sum(r is True for r in self._call("put", cmds)) if cmds else 0
+            try:
+                replies = self._call("put", cmds, sum(sizes[start:end])) if cmds else []
+            except TierError:
+                if kept:  # the batches written before stay written
+                    return kept
+                raise
+            ok = sum(r is True for r in replies)
+            refused = [r for r in replies if isinstance(r, Exception)]
             with self._lock:
                 self.written_blocks += ok
+                if refused:  # OOM, READONLY...: the cluster is up but keeps nothing
+                    self.rejected_blocks += len(refused)
+                    self.last_error = f"redis put: {_describe(refused[0])}"
             kept += ok
         return kept
 
     def contains(self, ns: bytes, keys: Sequence[bytes]) -> int:
         run = 0
         for start in range(0, len(keys), self.max_batch):
-            cmds = [("EXISTS", _name(ns, k)) for k in keys[start:start + self.max_batch]]
-            for found in self._call("contains", cmds):
-                if found != 1:
+            chunk = keys[start:start + self.max_batch]
+            # STRLEN, not EXISTS: a value of another type (a list...) is no block, and
+            # a GET of it fails, so the run would be promised and never come up.
+            cmds = [("STRLEN", _name(ns, k)) for k in chunk]
+            for key, size in zip(chunk, self._call("contains", cmds)):
+                if not isinstance(size, int) or size <= HEADER_BYTES:
+                    if isinstance(size, Exception) or size:  # not a block: forgotten
+                        self._forget(ns, key)
                     return run
                 run += 1
         return run
@@ -137,15 +158,18 @@ class RedisTier(Tier):
         run = 0
         for start, end in self._batches([memoryview(o).nbytes for o in outs[:len(keys)]]):
             chunk = keys[start:end]
+            nbytes = sum(memoryview(o).nbytes for o in outs[start:end])
             try:
-                values = self._call("get_into", [("GET", _name(ns, k)) for k in chunk])
+                values = self._call("get_into", [("GET", _name(ns, k)) for k in chunk], nbytes)
             except TierError:
                 if run:  # the batches read and verified before stay good
                     return run
                 raise
             got = 0
             for key, value, out in zip(chunk, values, outs[start:start + len(chunk)]):
-                if not isinstance(value, bytes):  # missing (or a per-key error)
+                if not isinstance(value, bytes):  # missing, or a per-key error
+                    if isinstance(value, ResponseError):  # WRONGTYPE: not a block
+                        self._forget(ns, key)
                     break
                 if not _copy_verified(ns, key, value, out):
                     self._forget(ns, key)
@@ -179,8 +203,9 @@ class RedisTier(Tier):
         with self._lock:
             return {"state": self._state(), "urls": self.urls, "cluster": self._cluster,
                     "written_blocks": self.written_blocks, "read_blocks": self.read_blocks,
-                    "corrupt_blocks": self.corrupt_blocks, "errors": self.errors,
-                    "last_error": self.last_error}
+                    "corrupt_blocks": self.corrupt_blocks,
+                    "rejected_blocks": self.rejected_blocks, "errors": self.errors,
+                    "consecutive_failures": self._failures, "last_error": self.last_error}
 
     def close(self) -> None:
         with self._lock:
@@ -218,16 +243,19 @@ class RedisTier(Tier):
             if self._trial or self._failures >= self.breaker_failures:
                 self._opened_at = self.clock()
             self._trial = False
-            client, self._client = self._client, None  # rediscover the topology next time
-        if client is not None:
-            client.close()
+            # Rediscover the topology next time. The old client is not closed here: the
+            # other thread may be mid-call on it (it would fail with a closed file, not
+            # a TierError); it closes its connections once nobody holds it.
+            self._client = None
 
-    def _call(self, what: str, cmds: list[Command]) -> list[Any]:
+    def _call(self, what: str, cmds: list[Command], nbytes: int = 0) -> list[Any]:
         """``cmds`` (one key each, at ``[1]``) sent through the breaker; their replies in
-        order, per-key errors (OOM, ...) as exception objects."""
+        order, per-key errors (OOM, ...) as exception objects. A round trip carrying
+        ``nbytes`` of values ends within the timeout plus their time at MIN_BYTES_PER_S."""
         self._admit(what)
         try:
-            results = _pipelined(self._connected(), cmds)
+            results = _pipelined(self._connected(), cmds,
+                                 self.timeout_s + nbytes / MIN_BYTES_PER_S)
         except TierError as e:
             self._failed(e)
             raise
@@ -313,18 +341,20 @@ def _copy_verified(ns: bytes, key: bytes, value: bytes, out: Any) -> bool:
     return True
 
 
-def _pipelined(client: Client, cmds: list[Command]) -> list[Any]:
-    """One pipeline per node owning some of ``cmds``' keys; replies in ``cmds``' order."""
+def _pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0) -> list[Any]:
+    """One pipeline per node owning some of ``cmds``' keys; replies in ``cmds``' order.
+    Each node's round trip is cut after ``budget_s`` (0: only the socket timeout)."""
     if not isinstance(client, RedisCluster):
         kw = client.get_connection_kwargs()
-        return _execute(client, cmds, f"{kw.get('host')}:{kw.get('port')}")
+        return _execute(client, cmds, f"{kw.get('host')}:{kw.get('port')}", budget_s)
     groups: dict[str, tuple[ClusterNode, list[int]]] = {}
     for i, cmd in enumerate(cmds):
         node = client.get_node_from_key(cmd[1])
         groups.setdefault(node.name, (node, []))[1].append(i)
     results: list[Any] = [None] * len(cmds)
     for name, (node, idx) in groups.items():
-        replies = _execute(client.get_redis_connection(node), [cmds[i] for i in idx], name)
+        replies = _execute(client.get_redis_connection(node), [cmds[i] for i in idx], name,
+                           budget_s)
         for i, reply in zip(idx, replies):
             results[i] = reply
     for i, reply in enumerate(results):
@@ -333,18 +363,61 @@ def _pipelined(client: Client, cmds: list[Command]) -> list[Any]:
     return results
 
 
-def _execute(node: redis.Redis, cmds: list[Command], where: str) -> list[Any]:
+def _execute(node: redis.Redis, cmds: list[Command], where: str,
+             budget_s: float = 0.0) -> list[Any]:
     pipe = node.pipeline(transaction=False)
     for cmd in cmds:
         pipe.execute_command(*cmd)
+    watchdog: _Watchdog | None = None
     try:
+        if budget_s > 0:  # this call's own connection, so the watchdog cuts only it
+            pipe.connection = node.connection_pool.get_connection()
+            watchdog = _Watchdog(pipe, budget_s)
         replies = pipe.execute(raise_on_error=False)
     except (RedisConnectionError, RedisTimeoutError) as e:
+        if watchdog is not None and watchdog.fired:
+            raise TierError(f"redis node {where}: no whole reply within {budget_s:.2f}s "
+                            "(a slow link)") from e
         raise TierError(f"redis node {where}: {_describe(e)}") from e
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        pipe.reset()  # gives the connection back (execute did, unless it never ran)
     for reply in replies:
         if isinstance(reply, ClusterDownError):  # and MASTERDOWN
             raise TierError(f"redis node {where}: cluster down ({reply})")
     return replies
+
+
+class _Watchdog:
+    """Shuts a pipeline's socket down if its call outlives ``budget_s``: the blocked
+    read then fails (redis-py drops that connection), where a socket timeout would not
+    fire as long as some bytes keep coming."""
+
+    def __init__(self, pipe: Any, budget_s: float) -> None:
+        self._pipe = pipe
+        self._sock = getattr(pipe.connection, "_sock", None)  # redis-py's, of this call
+        self._lock = threading.Lock()
+        self.fired = self._done = False
+        self._timer = threading.Timer(budget_s, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            # Once the pipeline gave its connection back, the socket is the pool's.
+            if self._done or self._sock is None or self._pipe.connection is None:
+                return
+            self.fired = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
 
 
 def _no_retry() -> Retry:

@@ -367,19 +367,20 @@ class Tiering:
         ok, sums = result if result is not None else (0, [])
         # Still pinned here: a slot the index gave up meanwhile (expired) is FREE, not
         # reused, so store_done passes it over; unpinning frees it afterwards.
+        ready = 0  # what came up: a read that ended after its slots expired brings none
         if ok:
             fresh, ix.fresh = ix.fresh, None  # it came from a tier: not written back
             try:
                 for rank in range(tenant.tp_size):
-                    ix.store_done(slots[:ok], rank, sums[rank] if sums else None)
+                    ready += ix.store_done(slots[:ok], rank, sums[rank] if sums else None)
             finally:
                 ix.fresh = fresh
         if ok < len(slots):
             ix.abort(slots[ok:])
         ix.unpin(slots)
         setattr(self.counters, f"{name}_hit_blocks",
-                getattr(self.counters, f"{name}_hit_blocks") + ok)
-        self.counters.promote_failed += len(slots) - ok
+                getattr(self.counters, f"{name}_hit_blocks") + ready)
+        self.counters.promote_failed += len(slots) - ready
 
     # ------------------------------------------------------------ operations
     def _tier_error(self, name: str, error: Exception) -> None:

@@ -4,11 +4,14 @@ stopped or hung cluster costs a bounded time, then nothing, until it is back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
@@ -286,11 +289,11 @@ def test_a_read_that_fails_midway_keeps_the_batches_read_before(redis_cluster, m
     assert t.put(ns, blocks) == 8
     real, calls = t._call, []
 
-    def node_lost_midway(what, cmds):
+    def node_lost_midway(what, cmds, nbytes=0):
         calls.append(what)
         if calls.count("get_into") == 2:
             raise TierError("redis get_into: node lost")
-        return real(what, cmds)
+        return real(what, cmds, nbytes)
 
     monkeypatch.setattr(t, "_call", node_lost_midway)
     outs = _outs(8)
@@ -327,9 +330,9 @@ def test_a_round_trip_carries_at_most_max_batch_bytes(redis_server, monkeypatch)
     sent: list[int] = []
     execute = remote._execute
 
-    def counting(node, cmds, where):
+    def counting(node, cmds, where, budget_s=0.0):
         sent.append(len(cmds))
-        return execute(node, cmds, where)
+        return execute(node, cmds, where, budget_s)
 
     monkeypatch.setattr(remote, "_execute", counting)
     ns, blocks = _ns(), _blocks(10)
@@ -341,3 +344,170 @@ def test_a_round_trip_carries_at_most_max_batch_bytes(redis_server, monkeypatch)
         assert t.get_into(ns, [b.key for b in blocks], outs) == 10
         assert sent == [3, 3, 3, 1]
         assert all(np.array_equal(o, b.data) for o, b in zip(outs, blocks))
+
+
+class _TricklingProxy:
+    """A TCP proxy whose replies trickle (``chunk`` bytes, then a pause): every read
+    gets bytes well inside a socket timeout, yet a large reply takes seconds."""
+
+    def __init__(self, port: int, chunk: int = 1024, gap: float = 0.1) -> None:
+        self.upstream, self.chunk, self.gap = port, chunk, gap
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            for src, dst, slow in ((client, server, False), (server, client, True)):
+                threading.Thread(target=self._pipe, args=(src, dst, slow), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(self.chunk if slow else 1 << 16):
+                dst.sendall(data)
+                if slow:
+                    time.sleep(self.gap)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_link_that_trickles_bytes_is_cut_at_its_round_trip_budget(redis_server):
+    """Each socket read got bytes inside the timeout, so a 64 KiB value at 10 KiB/s took
+    6 s (a promotion's Lookups said "pending" all along, the breaker never heard of it).
+    A round trip now ends within the timeout plus its bytes at MIN_BYTES_PER_S."""
+    ns, blocks = _ns(), [TierBlock(b"big", 0, np.full(64 << 10, 7, np.uint8))]
+    with closing(RedisTier(redis_server.url)) as direct:
+        assert direct.put(ns, blocks) == 1
+    proxy = _TricklingProxy(redis_server.port)
+    try:
+        with closing(RedisTier(f"redis://127.0.0.1:{proxy.port}", timeout_ms=300)) as t:
+            assert t.contains(ns, [b"big"]) == 1  # small replies pass
+            t0 = time.monotonic()
+            with pytest.raises(TierError, match="slow link"):
+                t.get_into(ns, [b"big"], [np.zeros(64 << 10, np.uint8)])
+            assert time.monotonic() - t0 < 3.0
+            assert t.status()["errors"] == 1  # the breaker heard of it
+    finally:
+        proxy.close()
+
+
+def test_a_value_of_another_type_is_no_block_and_is_forgotten(redis_server):
+    """A list under a block's name: EXISTS said yes, so every Lookup promised a run that
+    the GET (WRONGTYPE) never brought up, again and again."""
+    ns, blocks = _ns(), _blocks(3)
+    keys = [b.key for b in blocks]
+    r = redis.Redis(port=redis_server.port)
+    with closing(RedisTier(redis_server.url)) as t, closing(r):
+        assert t.put(ns, blocks) == 3
+        r.delete(_key(ns, keys[1]))
+        r.rpush(_key(ns, keys[1]), b"x")
+        assert t.contains(ns, keys) == 1  # the run ends there, and the value is dropped
+        assert not r.exists(_key(ns, keys[1]))
+        r.rpush(_key(ns, keys[1]), b"x")  # and a read that meets one
+        outs = _outs(3)
+        assert t.get_into(ns, keys, outs) == 1
+        assert (outs[1] == SENTINEL).all() and not r.exists(_key(ns, keys[1]))
+        st = t.status()
+        assert st["corrupt_blocks"] == 2 and st["errors"] == 0
+
+
+def test_writes_the_cluster_refuses_are_counted_and_named(redis_server):
+    """A full server (maxmemory, noeviction) answers each SET with OOM: nothing failed
+    as a call, so the breaker stays closed, but the operator sees why nothing is kept."""
+    r = redis.Redis(port=redis_server.port)
+    with closing(RedisTier(redis_server.url)) as t, closing(r):
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + (64 << 10))
+        r.config_set("maxmemory-policy", "noeviction")
+        kept = t.put(_ns(), _blocks(64))
+        st = t.status()
+        assert kept < 64 and st["written_blocks"] == kept
+        assert st["rejected_blocks"] == 64 - kept and "maxmemory" in st["last_error"]
+        assert st["errors"] == 0 and st["state"] == "closed"
+
+
+def test_a_put_that_fails_midway_keeps_what_was_written(redis_server, monkeypatch):
+    """The server stops answering after the first batch: the caller hears of the block
+    written (the tier counted it), not of an error that says nothing was kept."""
+    t = RedisTier(redis_server.url, timeout_ms=200, max_batch=1)
+    real, pid = t._call, redis_server.node.proc.pid
+
+    def stop_after_one(what, cmds, nbytes=0):
+        if t.written_blocks:
+            os.kill(pid, signal.SIGSTOP)
+        return real(what, cmds, nbytes)
+
+    monkeypatch.setattr(t, "_call", stop_after_one)
+    try:
+        assert t.put(_ns(), _blocks(4)) == 1
+        assert t.status()["written_blocks"] == 1 and t.status()["errors"] == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        t.close()
+
+
+def test_one_threads_failure_does_not_break_another_threads_call(redis_server):
+    """A failure dropped the client by closing it, under another thread's call: that
+    call failed with ``ValueError`` (a closed file), which the breaker never counted."""
+    t = RedisTier(redis_server.url, timeout_ms=500)
+    ns = _ns()
+    assert t.put(ns, _blocks(1)) == 1
+    pid = redis_server.node.proc.pid
+    errors: dict[str, BaseException] = {}
+
+    def run(tag: str, call: Callable[[], object], delay: float) -> None:
+        time.sleep(delay)
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - what it raised is the test
+            errors[tag] = e
+
+    threads = [threading.Thread(target=run, args=("reader", lambda: t.contains(ns, [b"k0"]), 0)),
+               threading.Thread(target=run, args=("writer", lambda: t.put(ns, _blocks(1, 1)),
+                                                  0.2))]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert set(errors) == {"reader", "writer"}
+    assert all(isinstance(e, TierError) for e in errors.values()), errors
+    assert t.status()["errors"] == 2
+    t.close()
+
+
+def test_tier_up_is_0_while_the_cluster_is_down_even_when_idle():
+    """``kvd_tier_up`` read 1 once the breaker's cooldown had passed (``half_open``) and
+    while the first connect was failing, with nothing having succeeded."""
+    from kvd.metrics import StatusCollector
+    from tests.redis_servers import free_ports
+
+    def up(tier: RedisTier) -> float:
+        fam = next(f for f in StatusCollector._tiers({"remote": tier.status()})
+                   if f.name == "kvd_tier_up")
+        return fam.samples[0].value
+
+    (port,) = free_ports(1, bus=False)
+    now = [0.0]
+    with closing(RedisTier(f"redis://127.0.0.1:{port}", timeout_ms=100,
+                           clock=lambda: now[0])) as t:
+        assert up(t) == 1  # nothing tried yet
+        with pytest.raises(TierError):
+            t.connect()
+        assert t.status()["state"] == "unconnected" and up(t) == 0
+        for _ in range(2):
+            with pytest.raises(TierError):
+                t.connect()
+        now[0] += 60  # idle past the cooldown: half open, still down
+        assert t.status()["state"] == "half_open" and up(t) == 0

@@ -15,6 +15,7 @@ from kvd.config import Config
 from kvd.core.tenants import Tenant
 from kvd.engines.base import checksums
 from kvd.service import new_index
+from kvd.tiers.base import TierBlock
 from kvd.tiers.tiering import MAX_PROBES, Tiering
 from kvd_proto import messages as m
 
@@ -119,3 +120,19 @@ def test_write_behind_takes_a_runs_head_and_probes_are_bounded(rig, redis_cluste
     loop.pump(lambda: t.probes == 0)
     t.lookup(tenant, [b"absent"], 0, m.LookupOk(0, 0, b"", 0), sent.append)
     assert (t.probes, c.probes_skipped) == (1, 6)
+
+
+def test_a_promotion_read_after_its_slots_expired_counts_no_hit(rig, tmp_path):
+    """A read that ends after its promotion was given up brings nothing up: counted as
+    failed, not as tier hits (before, the blocks read were counted as hits)."""
+    t, loop = rig(disk_path=str(tmp_path), disk_size=16 << 20)
+    tenant, c = _tenant(), t.counters
+    keys = [b"p%d" % i for i in range(8)]
+    t.tiers["disk"].put(tenant.digest.encode(), [
+        TierBlock(k, i, np.full(BLOCK, i, np.uint8)) for i, k in enumerate(keys)])
+    reply = t.lookup(tenant, keys, 0, m.LookupOk(1, 0, b"", 0), lambda r: None)
+    assert reply is not None and reply.pending == 8  # coming up from disk
+    t.index.expire(time.monotonic() + 3600)  # the promotion's deadline passes first
+    loop.pump(lambda: c.promote_failed + c.disk_hit_blocks > 0)
+    assert (c.disk_hit_blocks, c.promote_failed) == (0, 8)
+    assert t.index.lookup(tenant, keys)[0] == 0
