@@ -8,7 +8,10 @@ the background whenever it grows to several times the live block count.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ import numpy as np
 from kvd.core.index import Index
 from kvd.core.tenants import Tenant, Tenants
 from kvd.engines.base import checksums
+from kvd.errors import ConfigError
 from kvd.journal import Commit, Drop, Header, Journal, Record, Replay, TenantRec, replay
 
 log = logging.getLogger("kvd.persist")
@@ -48,6 +52,7 @@ class Persistence:
         self._dirty = False
         self._retry_at = 0.0
         self.journal: Journal | None = None
+        self._lock_fd = _lock(path)  # one daemon per journal (the pool file has its own)
 
     # ------------------------------------------------------------ start
     def recover(self, index: Index, tenants: Tenants, pool: np.ndarray, reused: bool) -> Recovery:
@@ -214,3 +219,29 @@ class Persistence:
             self.finish_compaction()
         if self.journal is not None:
             self.journal.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _lock(path: str) -> int | None:
+    """Hold ``<journal>.lock`` for the daemon's life: two daemons (with two pools) on
+    one journal_path would restore each other's blocks, or drop their own. A lock that
+    cannot be made (a read-only directory) is not a reason to stop: the journal's own
+    writes then fail, and the daemon serves without persistence."""
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        log.warning("cannot create %s (%s): not locked", lock, e.strerror or e)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise ConfigError(f"journal_path {path} is in use by another kvd; give each "
+                              "daemon its own") from None
+        log.warning("cannot lock %s (%s)", lock, e.strerror or e)
+        return None
+    return fd

@@ -72,6 +72,7 @@ class Server:
         self.pinner: PoolPinner | None = None
         self.engines: dict[str, TransferEngine] = {}
         self._bound = False  # the socket path is ours to remove
+        self._bound_inode = (0, 0)
         try:
             self._start(config)
         except BaseException:
@@ -146,8 +147,12 @@ class Server:
                 log.exception("cleaning up after a failed start")
 
     def _unlink_socket(self) -> None:
+        """Remove the socket file this daemon bound, and only it: once the path was
+        removed and another daemon bound it, that one's clients must still find it."""
         try:
-            os.unlink(self.config.socket)
+            st = os.stat(self.config.socket)
+            if (st.st_dev, st.st_ino) == self._bound_inode:
+                os.unlink(self.config.socket)
         except FileNotFoundError:
             pass
 
@@ -164,6 +169,8 @@ class Server:
         except zmq.ZMQError as e:
             raise ConfigError(f"cannot bind {path}: {e}") from None
         self._bound = True
+        st = os.stat(path)
+        self._bound_inode = (st.st_dev, st.st_ino)
         os.chmod(path, self.config.socket_mode)
         if self.config.socket_group:
             import grp
@@ -359,8 +366,6 @@ class Server:
             self.kv_events.close(clear=self.service.persist is None)
         for engine in self.engines.values():
             engine.close()
-        if self.service.tiering is not None:  # queued writes finish, then the tiers close
-            self.service.tiering.close()
         if self.pinner is not None:
             self.pinner.release()
         for fd in self._pidfds.values():
@@ -372,6 +377,11 @@ class Server:
         if self.service.persist is not None:
             self.service.persist.drain(self.service.index)
             self.service.persist.close()
+        # Then queued tier writes finish (bounded: a stalled disk must not keep the
+        # daemon from exiting, nor its journal from being written first); the tiers
+        # read the pool, so it closes last.
+        if self.service.tiering is not None:
+            self.service.tiering.close()
         self.pool.close()  # kept when persistence is on
 
 

@@ -123,7 +123,7 @@ def daemon_factory(tmp_path: Path) -> Iterator:
         print(f"--- {d.log.name} ---\n{d.logs()[-4000:] if d.log.exists() else ''}")
         if d.proc is not None:
             d.stop(signal.SIGKILL)
-        for path in (d.pool_path, d.pool_path + ".journal"):
+        for path in (d.pool_path, d.pool_path + ".journal", d.pool_path + ".journal.lock"):
             if os.path.exists(path):
                 os.unlink(path)
 

@@ -98,13 +98,17 @@ def tiers_lines(st: dict[str, Any]) -> list[str]:
     lines = []
     if "disk" in tiers:
         d = tiers["disk"]
-        lines.append(f"disk     {size(d.get('bytes', 0))} of {size(d.get('capacity_bytes', 0))}"
-                     f"  {d.get('blocks', 0)} blocks  {d.get('path', '')}")
+        bad = f"  bad slots {d['bad_slots']}" if d.get("bad_slots") else ""
+        lines.append(f"disk     {d.get('state', '?')}  {size(d.get('bytes', 0))} of "
+                     f"{size(d.get('capacity_bytes', 0))}  {d.get('blocks', 0)} blocks{bad}"
+                     f"  {d.get('path', '')}" + _last_error(d))
     if "remote" in tiers:
         r = tiers["remote"]
+        refused = f"  refused {r['rejected_blocks']}" if r.get("rejected_blocks") else ""
         lines.append(f"remote   {r.get('state', '?')}  written {r.get('written_blocks', 0)}  "
-                     f"read {r.get('read_blocks', 0)}  corrupt {r.get('corrupt_blocks', 0)}  "
-                     f"errors {r.get('errors', 0)}  {r.get('urls', '')}")
+                     f"read {r.get('read_blocks', 0)}  corrupt {r.get('corrupt_blocks', 0)}"
+                     f"{refused}  errors {r.get('errors', 0)}  {r.get('urls', '')}"
+                     + _last_error(r))
     if tiers:
         lines.append(f"tiering  demoted {c.get('demoted_blocks', 0)} (dropped "
                      f"{c.get('demote_dropped', 0)})  written behind "
@@ -113,6 +117,13 @@ def tiers_lines(st: dict[str, Any]) -> list[str]:
                      f"{c.get('disk_hit_blocks', 0)} remote {c.get('remote_hit_blocks', 0)}"
                      f" (failed {c.get('promote_failed', 0)})")
     return lines
+
+
+def _last_error(tier: dict[str, Any]) -> str:
+    """A failing tier's last error (while it is failing), so the operator sees why."""
+    if tier.get("consecutive_failures") and tier.get("last_error"):
+        return f"\n         last error: {tier['last_error']}"
+    return ""
 
 
 def rates(prev: dict[str, Any] | None, cur: dict[str, Any], seconds: float) -> dict[str, float]:

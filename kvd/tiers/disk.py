@@ -11,6 +11,12 @@ are written; (2) the blocks are written and ``fdatasync``ed; (3) then their Puts
 appended and the journal ``fsync``ed. A reboot may lose appends not yet synced: a lost
 Put forgets a block; a lost Drop leaves a key naming a slot that now holds another
 block, which the header check makes a miss. Data is verified on read, never at start.
+
+The event loop asks ``contains`` and ``status``: they take ``_lock`` only, which is never
+held across file I/O, so a stalled disk (a frozen filesystem, a hung device) costs
+demotions and promotions, never the loop. A failing disk (EIO, ENOSPC, read-only) turns
+the tier off for ``FAULT_COOLDOWN_S`` at a time: no evictions for writes that would fail,
+no promotions that would be read in vain.
 """
 
 from __future__ import annotations
@@ -21,53 +27,27 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any, NamedTuple, TypeVar, cast
 
-import msgspec
 import numpy as np
 
 from kvd.core.allocator import Allocator, AllocatorError
 from kvd.core.policies.base import DEFAULT_POLICY, make_policy
-from kvd.errors import ConfigError, TierError
-from kvd.journal import Journal, read_records
+from kvd.errors import BreakerOpen, ConfigError, TierError
+from kvd.journal import Journal
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
+from kvd.tiers.disk_journal import DiskDrop, DiskHeader, DiskPut, replay
 from kvd.tiers.vectored import PAGE, pad, vectored
 
 log = logging.getLogger("kvd.tiers.disk")
 
 DATA_FILE = "kvd-disk.slots"
 JOURNAL_FILE = "kvd-disk.journal"
-VERSION = 1
-
-
-class DiskHeader(msgspec.Struct, array_like=True, frozen=True, tag="H"):
-    """The geometry the journal's slots refer to; another one makes them meaningless."""
-
-    size: int
-    extent_size: int
-    min_slot_bytes: int
-    version: int = VERSION
-
-
-class DiskPut(msgspec.Struct, array_like=True, frozen=True, tag="P"):
-    """A block written and synced; also the index's entry for it."""
-
-    ns: bytes
-    key: bytes
-    slot: int
-    slot_bytes: int
-    length: int
-    checksum: int
-    depth: int
-
-
-class DiskDrop(msgspec.Struct, array_like=True, frozen=True, tag="D"):
-    slot: int
-
-
-_DECODER = msgspec.msgpack.Decoder(DiskHeader | DiskPut | DiskDrop)
+FAULT_COOLDOWN_S = 5.0  # after a failed read or write, the tier is off this long
+CLOSE_WAIT_S = 10.0  # how long close() waits for a write in flight (a stalled disk)
 
 
 class _Staged(NamedTuple):
@@ -110,10 +90,11 @@ def extent_for(pool_extent: int, size: int) -> int:
 class DiskTier(Tier):
     """Blocks in one slot file on a local disk, found again after a restart.
 
-    ``_lock`` guards the index, allocator, policy, counters and journal appends and is
-    never held across data-file I/O; ``_put_lock`` makes puts, journal fsyncs and
-    compactions one at a time, so a reader goes on while a put writes. A reader may see
-    its slot reused by a concurrent put: the header check makes that a miss.
+    ``_lock`` guards the index, allocator, policy and counters and is never held across
+    I/O; ``_jlock`` guards the journal and its appends; ``_put_lock`` makes puts, journal
+    fsyncs and compactions one at a time, so a reader goes on while a put writes. A
+    reader may see its slot reused by a concurrent put: the header check makes that a
+    miss. A slot a reader drops is freed only after its Drop is appended.
     """
 
     name = "disk"
@@ -131,7 +112,12 @@ class DiskTier(Tier):
             raise ConfigError(f"disk tier at {path}: {e}") from None
         self.geometry = DiskHeader(size, extent_size, min_slot_bytes)
         self._lock = threading.Lock()
+        self._jlock = threading.Lock()
         self._put_lock = threading.Lock()
+        self.clock: Callable[[], float] = time.monotonic
+        self._off_until = 0.0  # the tier is off (a fault) until then
+        self._faults = 0  # consecutive
+        self.last_error = ""
         self._entries: dict[bytes, DiskPut] = {}  # scoped key -> block; order: recency
         self._backlog: list[Any] | None = None  # appended while a snapshot is written
         self._records = 0  # records in the journal file
@@ -157,7 +143,6 @@ class DiskTier(Tier):
         try:
             self.restored_blocks = self._restore(reused)
             self._reserve()
-            self._compact()
         except ConfigError:
             self.journal.close()
             os.close(self._fd)
@@ -166,6 +151,11 @@ class DiskTier(Tier):
             self.journal.close()
             os.close(self._fd)
             raise ConfigError(f"disk tier: cannot size or restore {path}: {e}") from None
+        try:
+            self._compact()
+        except OSError as e:  # serving beats a tidy journal: appends go on, or fail then
+            log.error("disk tier %s: cannot rewrite its journal at start: %s", path, e)
+            self._fault(e)
 
     def _reserve(self) -> None:
         """Allocate the whole file now: a disk without room for it refuses the start,
@@ -181,7 +171,7 @@ class DiskTier(Tier):
     # ------------------------------------------------------------ restart
     def _restore(self, reused: bool) -> int:
         """Rebuild the index from the journal, or start empty (truncating the file)."""
-        live, why = self._replay()
+        live, why = replay(self.journal.path, self.geometry)
         if live and not reused:
             why = "the data file is missing or was resized"
         if why:
@@ -206,26 +196,6 @@ class DiskTier(Tier):
                         self.path, len(live) - len(self._entries))
         return len(self._entries)
 
-    def _replay(self) -> tuple[dict[int, DiskPut], str]:
-        """The live blocks the journal names (slot -> block, in journal order), or why
-        it cannot be used."""
-        records = read_records(self.journal.path, _DECODER)
-        first = next(records, None)
-        if first is None:
-            return {}, ""
-        if first != self.geometry:
-            return {}, (f"the geometry changed ({first} -> {self.geometry})"
-                        if isinstance(first, DiskHeader) else "the journal has no header")
-        live: dict[int, DiskPut] = {}
-        for rec in records:
-            if isinstance(rec, DiskPut | DiskDrop):
-                live.pop(rec.slot, None)  # a Put or Drop of a slot ends what it held
-                if isinstance(rec, DiskPut):
-                    live[rec.slot] = rec
-            elif rec != self.geometry:
-                break  # a second geometry: nothing after it can be trusted
-        return live, ""
-
     def _slot_bytes(self, length: int) -> int:
         need = max(HEADER_BYTES + length, self.allocator.min_slot_bytes)
         return -(-need // PAGE) * PAGE
@@ -238,13 +208,29 @@ class DiskTier(Tier):
             out[mask] = self.allocator.offsets(out[mask], slot_bytes)
         return out
 
-    # ------------------------------------------------------------ index (under _lock)
+    # ------------------------------------------------------------ faults
+    def _fault(self, error: OSError) -> None:
+        """A failed read or write: the tier is off for a while (no work that would fail)."""
+        with self._lock:
+            self._faults += 1
+            self._off_until = self.clock() + FAULT_COOLDOWN_S
+            self.last_error = str(error)
+        log.warning("disk tier %s: %s; off for %.0fs", self.path, error, FAULT_COOLDOWN_S)
+
+    def _off(self) -> bool:
+        """Whether the tier is off after a fault (under ``_lock``)."""
+        return self._off_until > 0 and self.clock() < self._off_until
+
     def _append(self, records: Sequence[Any]) -> None:
+        """Journal ``records`` (never under ``_lock``: the write may stall)."""
         if records:
-            self.journal.append(records)
-            self._records += len(records)
-            if self._backlog is not None:
-                self._backlog.extend(records)
+            with self._jlock:
+                self.journal.append(records)
+                self._records += len(records)
+                if self._backlog is not None:
+                    self._backlog.extend(records)
+
+    # ------------------------------------------------------------ index (under _lock)
 
     def _drop(self, keys: Sequence[bytes]) -> list[int]:
         """Take keys the policy already let go of out of the index; their slots."""
@@ -276,6 +262,8 @@ class DiskTier(Tier):
     # ------------------------------------------------------------ Tier
     def contains(self, ns: bytes, keys: Sequence[bytes]) -> int:
         with self._lock:
+            if self._off():  # a promotion now would fail, and evict for it first
+                return 0
             for i, key in enumerate(keys):
                 if _scoped(ns, key) not in self._entries:
                     return i
@@ -289,6 +277,9 @@ class DiskTier(Tier):
         with self._put_lock:
             with self._lock:
                 self._check_open()
+                if self._off():  # it would evict good blocks for writes that fail
+                    raise BreakerOpen(f"disk tier {self.path}: off after a fault "
+                                      f"({self.last_error})")
                 todo: dict[bytes, TierBlock] = {}
                 for b in blocks:
                     if (k := _scoped(ns, b.key)) not in self._entries:
@@ -322,14 +313,13 @@ class DiskTier(Tier):
                 slots += got
             self.counts["declined_blocks"] += (declined + sum(map(len, staged.values()))
                                                - len(placed))
-            try:
-                self._append([DiskDrop(s) for s in dropped])  # before the slots are reused
-            except OSError:
-                self.allocator.free_many(slots)
-                raise
-        if not placed:
-            return 0
+        # Only this put (under _put_lock) can take the slots just freed: their Drops
+        # reach the journal before the slots are written.
+        data_written = False
         try:
+            self._append([DiskDrop(s) for s in dropped])
+            if not placed:
+                return 0
             sizes = np.array([w.slot_bytes for w in placed], dtype=np.int64)
             iovs = [[w.head, w.view, *pad(w.slot_bytes - HEADER_BYTES - w.view.nbytes)]
                     for w in placed]
@@ -338,15 +328,20 @@ class DiskTier(Tier):
                 raise OSError(errno.EIO, "short write")
             if self.sync:
                 os.fdatasync(self._fd)
+            data_written = True
             puts = [DiskPut(ns, w.block.key, s, w.slot_bytes, w.view.nbytes, w.checksum,
                             w.block.depth) for w, s in zip(placed, slots)]
+            self._append(puts)
+        except OSError as e:
             with self._lock:
-                self._append(puts)
-        except OSError:
-            with self._lock:  # set aside, not freed: the next put would take them first
-                self.counts["bad_slots"] += len(slots)
+                if e.errno == errno.EIO and not data_written:  # bad sectors: set aside,
+                    self.counts["bad_slots"] += len(slots)  # or the next put takes them
+                else:  # a full or read-only filesystem, a journal that failed: reusable
+                    self.allocator.free_many(slots)
+            self._fault(e)
             raise
         with self._lock:
+            self._faults = 0
             for w, p in zip(placed, puts):
                 self._entries[w.scoped] = p
                 self.policy.insert(w.scoped, p.depth)
@@ -367,6 +362,9 @@ class DiskTier(Tier):
         its header; a block that fails is forgotten and ends the run."""
         with self._lock:
             self._check_open()
+            if self._off():
+                raise BreakerOpen(f"disk tier {self.path}: off after a fault "
+                                  f"({self.last_error})")
             run: list[DiskPut] = []
             for key, out in zip(keys, outs):
                 e = self._entries.get(_scoped(ns, key))
@@ -393,40 +391,54 @@ class DiskTier(Tier):
                 bad = e
                 break
             ok += 1
+        gone = None  # the slot of the block that failed, if still the one read
         with self._lock:
             entries = self._entries
             if bad is not None and entries.get(k := _scoped(ns, bad.key)) is bad:
-                # Still the block we read (not evicted and reused meanwhile): gone.
+                # Still the block we read (not evicted and reused meanwhile): gone. Its
+                # slot is freed once its Drop is journaled (a corrupt block), or set
+                # aside (unreadable: a put would take it again).
                 self.policy.remove(k)
-                if why == "corrupt_blocks":
-                    self._drop([k])
-                else:  # the slot is set aside, not freed: a put would take it again
-                    del self._entries[k]
-                    self.counts["bad_slots"] += 1
+                del entries[k]
+                gone = bad.slot
                 self.counts[why] += 1
-                self._append([DiskDrop(bad.slot)])
+                if why == "unreadable_blocks":
+                    self.counts["bad_slots"] += 1
+            elif bad is None:
+                self._faults = 0
             alive = [k for e in run[:ok] if entries.get(k := _scoped(ns, e.key)) is e]
             if alive:
                 self.policy.touch(alive, entries[alive[0]].depth)
                 for k in alive:  # most recent last: a compaction keeps the order
                     entries[k] = entries.pop(k)
             self.counts["read_blocks"] += ok
+        if gone is not None:
+            try:
+                self._append([DiskDrop(gone)])
+            except OSError as e:  # the header check still makes it a miss after a restart
+                self._fault(e)
+            if why == "corrupt_blocks":
+                with self._lock:
+                    self.allocator.free_many([gone])
+        if why == "unreadable_blocks" and bad is not None:
+            self._fault(OSError(errno.EIO, f"unreadable block at slot {bad.slot}"))
         return ok
 
     # ------------------------------------------------------------ upkeep
     def _compact(self) -> None:
         """Rewrite the journal as the live Puts (in recency order). The snapshot is
         written without ``_lock``, so reads go on; a Drop they append is carried over."""
+        with self._jlock:  # first: a Drop of a block missing from the snapshot is kept
+            self._backlog = []
         with self._lock:
             snap: list[Any] = [self.geometry, *self._entries.values()]
-            self._backlog = []
         try:
             self.journal.write_snapshot(snap)
         except BaseException:
-            with self._lock:
+            with self._jlock:
                 self._backlog = None
             raise
-        with self._lock:
+        with self._jlock:
             backlog, self._backlog = self._backlog or [], None
             self.journal.swap_snapshot(backlog)
             self._records = len(snap) + len(backlog)
@@ -443,15 +455,31 @@ class DiskTier(Tier):
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            return {"path": self.path, "blocks": len(self._entries),
+            return {"path": self.path, "state": "open" if self._off() else "closed",
+                    "blocks": len(self._entries),
                     "bytes": self.allocator.used_bytes,
                     "capacity_bytes": self.allocator.capacity_bytes,
-                    "restored_blocks": self.restored_blocks, **self.counts}
+                    "restored_blocks": self.restored_blocks, **self.counts,
+                    "consecutive_failures": self._faults, "last_error": self.last_error}
 
     def close(self) -> None:
-        """Sync, compact the journal, release the files; a second call does nothing."""
+        """Sync, compact the journal, release the files; a second call does nothing.
+        A disk that does not let a write (or this sync) finish within CLOSE_WAIT_S keeps
+        its files open: the process exits all the same, the journal as it was."""
+        done = threading.Event()
+        closer = threading.Thread(target=self._close, args=(done,), daemon=True,
+                                  name="kvd-disk-close")
+        closer.start()
+        if not done.wait(CLOSE_WAIT_S):
+            with self._lock:
+                self._closed = True
+            log.error("disk tier %s: I/O did not finish within %.0fs; closing without it",
+                      self.path, CLOSE_WAIT_S)
+
+    def _close(self, done: threading.Event) -> None:
         with self._put_lock:
             if self._closed:
+                done.set()
                 return
             try:
                 if self.sync:
@@ -464,5 +492,7 @@ class DiskTier(Tier):
                 with self._lock:
                     self._closed = True
                     self._entries.clear()
+                with self._jlock:
                     self.journal.close()
-                    os.close(self._fd)
+                os.close(self._fd)
+                done.set()

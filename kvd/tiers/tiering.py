@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -402,9 +403,10 @@ class Tiering:
         return self.counters.values()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Let queued writes finish (up to ``timeout`` each), then close the tiers."""
+        """Let queued writes finish (up to ``timeout`` in all), then close the tiers."""
+        end = time.monotonic() + timeout
         for worker in (*self.writers.values(), *self.readers.values()):
-            worker.close(timeout)
+            worker.close(max(0.0, end - time.monotonic()))
         for tier in self.tiers.values():
             try:
                 tier.close()

@@ -17,6 +17,7 @@ from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, Index
 from kvd.core.policies import make_policy
 from kvd.core.tenants import Tenants
+from kvd.errors import ConfigError
 from kvd.journal import Commit, Header, read_records, replay
 from kvd.persist import Persistence
 
@@ -110,3 +111,14 @@ def test_an_unreadable_journal_starts_an_empty_pool(tmp_path):
     assert p.recovery.discarded.startswith("journal unreadable")
     assert p.journal is None and ix.ready_blocks == 0
     p.close()
+
+
+def test_one_daemon_per_journal(tmp_path):
+    """Two daemons (two pools) on one journal_path restored each other's blocks after a
+    restart, or dropped their own: the second is refused while the first holds it."""
+    path = str(tmp_path / "j")
+    ix, tenants, t, p = setup(path)
+    with pytest.raises(ConfigError, match="in use by another kvd"):
+        Persistence(path, H)
+    p.close()
+    Persistence(path, H).close()  # free again once the first is gone

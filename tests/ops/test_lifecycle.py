@@ -243,6 +243,23 @@ def test_a_start_that_fails_after_the_pool_exists_leaves_nothing_behind(daemon_f
     assert not os.path.exists(d.pool_path) and not os.path.exists(d.socket)
 
 
+def test_a_stopping_daemon_leaves_the_socket_of_the_daemon_that_replaced_it(
+        daemon_factory):
+    """A's socket file was removed (a tmpfiles clean-up, an operator) and B bound the
+    path; A's stop then removed B's socket, and every engine reconnecting afterwards
+    served without kvd until B restarted."""
+    a = daemon_factory()
+    os.unlink(a.socket)
+    b = daemon_factory(start=False)
+    b.socket = a.socket
+    b.start()
+    assert a.stop() == 0
+    assert os.path.exists(b.socket)
+    assert "pool" in b.status()  # new connections reach B
+    assert b.stop() == 0
+    assert not os.path.exists(b.socket)  # its own socket, it removes
+
+
 def test_a_stop_during_start_up_exits_cleanly_and_a_reload_waits(daemon_factory):
     """SIGTERM while the pool is still being made: exit 0, nothing left (before: killed
     by the signal, the pool file left). SIGHUP then: ignored until the daemon serves

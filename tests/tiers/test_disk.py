@@ -21,9 +21,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvd.errors import ConfigError, KvdError
+from kvd.errors import BreakerOpen, ConfigError, KvdError, TierError
+from kvd.tiers import disk as disk_module
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, TierBlock, make_tier
-from kvd.tiers.disk import DATA_FILE, JOURNAL_FILE, DiskTier, extent_for
+from kvd.tiers.disk import DATA_FILE, FAULT_COOLDOWN_S, JOURNAL_FILE, DiskTier, extent_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT = 1 << 20
@@ -151,6 +152,8 @@ def test_a_bad_sector_is_set_aside_on_write_and_a_miss_on_read(tmp_path, monkeyp
     put does not take them again); a read retries slot by slot, so the blocks around
     the bad one still read, the run ends at it, and it is forgotten, never raised."""
     t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    now = [0.0]
+    t.clock = lambda: now[0]
     real_w, real_r = os.pwritev, os.preadv
     bad: dict[str, int] = {}
 
@@ -167,6 +170,7 @@ def test_a_bad_sector_is_set_aside_on_write_and_a_miss_on_read(tmp_path, monkeyp
     with pytest.raises(KvdError):
         t.put(NS, blocks(ks("a", 4)))
     assert t.status()["bad_slots"] == 4 and t.status()["blocks"] == 0
+    now[0] += FAULT_COOLDOWN_S  # the tier was off meanwhile (see the fault tests below)
     for r in range(8):  # every later put lands elsewhere
         assert t.put(NS, blocks(ks(f"b{r}-", 4))) == 4
     assert_hits(t, ks("b7-", 4))
@@ -184,6 +188,8 @@ def test_a_bad_sector_is_set_aside_on_write_and_a_miss_on_read(tmp_path, monkeyp
     ok, outs = read(t, keys)
     assert ok == 5  # the five before the bad one, intact
     assert all(np.array_equal(o, payload(NS, k)) for k, o in zip(keys[:5], outs))
+    assert t.status()["state"] == "open" and t.contains(NS, keys) == 0  # off a while
+    now[0] += FAULT_COOLDOWN_S
     assert t.contains(NS, keys) == 5  # forgotten: the next lookup ends there at once
     assert_hits(t, keys[6:])
     st = t.status()
@@ -200,6 +206,138 @@ def test_a_journal_error_after_the_data_is_written_keeps_the_blocks(tier, monkey
     monkeypatch.setattr(tier.journal, "sync", broken)
     assert tier.put(NS, blocks(ks("j", 4))) == 4
     assert_hits(tier, ks("j", 4))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_or_read_only_filesystem_turns_the_tier_off_and_loses_no_slots(
+        tmp_path, monkeypatch, code):
+    """ENOSPC or EROFS is the filesystem's state, not a bad sector: the slots were set
+    aside for good (a full disk for a minute shrank the tier until a restart), and
+    every put meanwhile evicted good blocks for writes that then failed."""
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    now = [0.0]
+    t.clock = lambda: now[0]
+    held = SIZE // EXT * (EXT // (B + 4096))  # blocks of B (and a header) the file holds
+    assert t.put(NS, blocks(ks("a", held))) == held
+    real = os.pwritev
+
+    def failing(fd, bufs, off):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "pwritev", failing)
+    with pytest.raises(TierError):
+        t.put(NS, blocks(ks("b", 4)))  # evicted 4 for room, then failed
+    st = t.status()
+    assert st["bad_slots"] == 0 and st["state"] == "open" and st["consecutive_failures"] == 1
+    assert os.strerror(code) in st["last_error"]
+    for r in range(3):  # off: nothing is evicted for writes that would fail
+        with pytest.raises(BreakerOpen):
+            t.put(NS, blocks(ks(f"c{r}-", 4)))
+    assert t.status()["blocks"] == held - 4
+    assert t.contains(NS, ks("a", held)[-1:]) == 0  # nor promoted from
+    now[0] += FAULT_COOLDOWN_S
+    monkeypatch.setattr(os, "pwritev", real)
+    assert t.put(NS, blocks(ks("d", 4))) == 4  # the freed slots serve again
+    st = t.status()
+    assert st["blocks"] == held and st["state"] == "closed" and st["consecutive_failures"] == 0
+    assert_hits(t, ks("d", 4))
+    t.close()
+
+
+def test_a_journal_that_cannot_grow_frees_the_slots_it_wrote(tier, monkeypatch):
+    """The data is written, but its Puts cannot be journaled (the disk filled): the
+    blocks are not held (a restart would not know them) and their slots are free."""
+    real = tier.journal.append
+
+    def append(records):
+        if any(isinstance(r, disk_module.DiskPut) for r in records):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(records)
+
+    monkeypatch.setattr(tier.journal, "append", append)
+    tier.clock = lambda: 0.0
+    with pytest.raises(TierError):
+        tier.put(NS, blocks(ks("j", 4)))
+    st = tier.status()
+    assert st["blocks"] == 0 and st["bad_slots"] == 0 and tier.allocator.used_bytes == 0
+
+
+def test_a_stalled_journal_never_blocks_contains_or_status(tmp_path, monkeypatch):
+    """The event loop asks ``contains`` and ``status``: a put stuck in a journal write
+    (a frozen filesystem) held the lock they take, so the daemon stopped answering."""
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    held = SIZE // EXT * (EXT // (B + 4096))
+    assert t.put(NS, blocks(ks("a", held))) == held
+    stuck, release = threading.Event(), threading.Event()
+    real = t.journal.append
+
+    def append(records):
+        stuck.set()
+        release.wait(30)
+        real(records)
+
+    monkeypatch.setattr(t.journal, "append", append)
+    writer = threading.Thread(target=t.put, args=(NS, blocks(ks("b", 4))))
+    writer.start()
+    try:
+        assert stuck.wait(10)
+        answers: list = []
+        asker = threading.Thread(target=lambda: answers.extend(
+            [t.contains(NS, ks("a", held)), t.status()["blocks"]]))
+        asker.start()
+        asker.join(5)
+        assert not asker.is_alive() and answers[1] == held - 4
+    finally:
+        release.set()
+        writer.join()
+    t.close()
+
+
+def test_close_gives_up_on_a_write_that_never_ends(tmp_path, monkeypatch):
+    """A put stuck on a stalled disk held the lock ``close`` waited for: the daemon
+    logged "kvd stopped" and never exited, a second SIGTERM or not."""
+    monkeypatch.setattr(disk_module, "CLOSE_WAIT_S", 0.5)
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    stuck, release = threading.Event(), threading.Event()
+
+    def pwritev(fd, bufs, off):
+        stuck.set()
+        release.wait(30)
+        raise OSError(errno.EIO, "device gone")
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    writer = threading.Thread(target=lambda: pytest.raises(TierError, t.put, NS,
+                                                           blocks(ks("a", 2))))
+    writer.start()
+    try:
+        assert stuck.wait(10)
+        closer = threading.Thread(target=t.close)
+        closer.start()
+        closer.join(5)
+        assert not closer.is_alive()
+        with pytest.raises(TierError, match="closed"):
+            t.get_into(NS, ks("a", 1), [np.zeros(B, np.uint8)])
+    finally:
+        release.set()
+        writer.join()
+
+
+def test_a_journal_that_cannot_be_rewritten_at_start_does_not_stop_the_start(
+        tmp_path, monkeypatch):
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    assert t.put(NS, blocks(ks("a", 3))) == 3
+    t.close()
+
+    def full(self, records):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module.Journal, "write_snapshot", full)
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)  # restored, not refused
+    st = t.status()
+    assert st["restored_blocks"] == 3 and "No space" in st["last_error"]
+    t.clock = lambda: 1e12  # past the cooldown
+    assert_hits(t, ks("a", 3))
+    t.close()
 
 
 def test_blocks_that_cannot_fit_are_declined_and_counted(tier):
