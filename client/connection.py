@@ -26,6 +26,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -39,6 +40,8 @@ from kvd_client.process import leave_compute_cpus
 from kvd_proto import messages as m
 
 __all__ = ["ClientStats", "Connection"]
+
+_LIVE: weakref.WeakSet[Connection] = weakref.WeakSet()  # for a fork's child
 
 
 class Connection(Shared):
@@ -82,6 +85,7 @@ class Connection(Shared):
         self._io = IOLoop(self)
         self._thread = threading.Thread(target=self._run, name="kvd-client-io", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------ public API
     @property
@@ -212,6 +216,16 @@ class Connection(Shared):
         finally:
             self._lock.release()
 
+    def _forked(self) -> None:
+        """In a fork's child: the I/O thread and ZeroMQ's threads stayed in the parent,
+        and the socket is the parent's. Every call fails open (``Unavailable``) at once
+        instead of waiting on them for ever; nothing of the parent's is touched. The
+        locks are new: the parent's may have been held by a thread the child lacks."""
+        self._closed = True
+        self._up = threading.Event()
+        self._lock = threading.RLock()
+        self._outbox = queue.SimpleQueue()
+
     def _wakeup(self) -> None:
         try:
             os.eventfd_write(self._wake, 1)
@@ -229,3 +243,11 @@ class Connection(Shared):
         finally:
             with self._lock:
                 io.shutdown()
+
+
+def _after_fork_in_child() -> None:
+    for conn in list(_LIVE):
+        conn._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -34,6 +34,9 @@ GRACE_S = m.EXPIRY_GRACE_NS / 1e9
 # How long a caller waiting for its reply may keep the socket (and the I/O thread) to
 # itself: a reply within it needs no thread hand-off; a slower one comes the usual way.
 RECEIVE_WINDOW_S = 0.002
+# When the daemon's process ends, its last Dones may still be inside ZeroMQ's threads:
+# this long for them, so a Transfer it ended is not reported CLIENT_GONE instead.
+EXIT_GRACE_S = 0.05
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # not enums
 
 
@@ -339,6 +342,9 @@ class IOLoop:
             code = reply.code if isinstance(reply, m.Error) else m.Code.INTERNAL
             text = reply.message if isinstance(reply, m.Error) else "unexpected reply"
             self.deliver(m.Done(msg.req, msg.event, code, text))
+            if code == m.Code.NOT_REGISTERED:  # the daemon dropped this connection (it
+                # thought us silent): register again, or every Transfer fails like this
+                self.lost("kvd forgot this client")
             return
         if reply.req == self.handshake_req and self.phase in ("hello", "register"):
             self.handshake(reply)
@@ -450,6 +456,10 @@ class IOLoop:
 
     def daemon_exited(self) -> None:
         self.unwatch_daemon()
+        end = time.monotonic() + EXIT_GRACE_S
+        while self.transfers and self.sock is not None and time.monotonic() < end:
+            if self.sock.poll(5):
+                self.drain()
         self.end_transfers(m.Code.CLIENT_GONE, "kvd exited")
         if self.phase != "down":
             self.lost("kvd exited")

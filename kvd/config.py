@@ -49,6 +49,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     verify_on_load: bool = False  # check a block's xxh3 before every load
     max_lease_ms: int = 120_000
     max_pending_ms: int = 600_000
+    store_claim_ms: int = 10_000  # a ticketed store no worker started by then: given up
     max_keys_per_request: int = 65_536
     log_level: LogLevel = "info"
     metrics_port: int = 9727  # Prometheus endpoint; 0 disables it
@@ -117,7 +118,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         if self.remote_lookup_ms < 0:
             raise ValueError("remote_lookup_ms must be 0 (never wait) or more")
         for key in ("remote_timeout_ms", "tier_queue_bytes", "promote_max_blocks",
-                    "max_lease_ms", "max_pending_ms", "client_timeout_ms",
+                    "max_lease_ms", "max_pending_ms", "store_claim_ms", "client_timeout_ms",
                     "max_keys_per_request", "max_leased_blocks", "max_pending_blocks"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1")

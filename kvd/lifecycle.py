@@ -46,7 +46,7 @@ POOL_PREP_BYTES_PER_S = 100 * 1024**2  # a pessimistic prefault rate for the tim
 LIVE_KEYS = frozenset({
     "log_level", "max_lease_ms", "max_pending_ms", "max_keys_per_request", "stop_timeout_ms",
     "allowed_uids", "allowed_groups", "admin_uids", "max_leased_blocks",
-    "max_pending_blocks", "client_timeout_ms", "max_tenants",
+    "max_pending_blocks", "client_timeout_ms", "max_tenants", "store_claim_ms",
 })
 ReloadFn = Callable[[], "tuple[Config, dict[str, str]]"]
 

@@ -52,6 +52,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_failed_transfers", "failed_transfers", "Transfers that completed with an error"),
     ("kvd_expired_transfers", "expired_transfers",
      "Transfers ended unstarted (or not committed) because their deadline passed"),
+    ("kvd_unclaimed_blocks", "unclaimed_blocks",
+     "Slots of ticketed stores no worker made in time (skipped stores), given back"),
     ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),
     ("kvd_expired_pending", "expired_pending", "Pending stores dropped at their deadline"),
     ("kvd_no_space", "no_space", "Allocations that found no room"),

@@ -37,6 +37,7 @@ from kvd_proto import messages as m
 
 log = logging.getLogger("kvd.server")
 TICK_S = 0.25
+STOP_LINGER_MS = 1000  # how long a stop waits for its last replies to leave
 # Plain ints: pyzmq's enum members cost an object per operation on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _MORE = _NOBLOCK | int(zmq.SNDMORE)
@@ -372,7 +373,9 @@ class Server:
             self.loop.remove_reader(fd)
             os.close(fd)
         self._pidfds.clear()
-        self.sock.close(linger=0)
+        # The last replies and Dones leave before the exit (a second at most: a client
+        # that reads nothing must not hold the stop up).
+        self.sock.close(linger=STOP_LINGER_MS)
         self._unlink_socket()
         if self.service.persist is not None:
             self.service.persist.drain(self.service.index)
@@ -383,6 +386,7 @@ class Server:
         if self.service.tiering is not None:
             self.service.tiering.close()
         self.pool.close()  # kept when persistence is on
+        self.ctx.destroy(linger=0)  # waits for the socket's linger; ZeroMQ's threads end
 
 
 async def serve(config: Config, origins: dict[str, str] | None = None,

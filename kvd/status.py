@@ -82,6 +82,7 @@ def status_document(svc: Sources) -> dict:
             "failed_stores": c.failed_stores,
             "failed_transfers": svc.counters.failed_transfers,
             "expired_transfers": svc.counters.expired_transfers,
+            "unclaimed_blocks": svc.counters.unclaimed_blocks,
             "corrupt_blocks": svc.counters.corrupt_blocks,
             "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
             "no_space": c.no_space,

@@ -78,6 +78,7 @@ class Counters:
     stored_bytes: int = 0
     failed_transfers: int = 0
     expired_transfers: int = 0
+    unclaimed_blocks: int = 0  # slots of stores no worker made, given back (tickets)
     corrupt_blocks: int = 0
     lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
     hit_tokens: int = 0
@@ -327,7 +328,9 @@ class Transfers:
         gens = np.zeros(len(slots), dtype=np.uint32)
         gens[valid] = self.index.gen[slots[valid].astype(np.int64)]
         for sender, transfer in self.tickets.add(tenant.id, ticket, slots, tenant.tp_size,
-                                                 until, gens):
+                                                 until, gens,
+                                                 claim_by=self.clock()
+                                                 + self.config.store_claim_ms / 1000):
             if not sender.gone:
                 reply = self.accept(sender, transfer)
                 if reply is not None:
@@ -381,7 +384,16 @@ class Transfers:
 
     # ------------------------------------------------------------ ending early
     def expire(self, now: float) -> None:
-        """Tick: parked Transfers whose ticket never came (or whose deadline passed)."""
+        """Tick: parked Transfers whose ticket never came (or whose deadline passed);
+        tickets no rank stored with in time give their slots back."""
+        for slots, gens in self.tickets.unclaimed(now):
+            live = slots != NO_SLOT
+            held = slots[live].astype(np.int64)
+            same = self.index.gen[held] == gens[live]  # not handed out again since
+            n = self.index.abort(held[same])
+            self.counters.unclaimed_blocks += n
+            if n:
+                log.info("%d slots of a store no worker made given back", n)
         for client, msg in self.tickets.expire(now):
             if client.gone:
                 continue

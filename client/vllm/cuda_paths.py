@@ -5,8 +5,8 @@
 - ``ClientCopyPath``: the memory cannot be exported (expandable segments, sleep mode,
   another cuMemCreate allocator): this process copies with ``ClientCopier``. Loads only:
   a store names a ticket whose slots only the daemon knows, so stores are skipped (the
-  daemon drops their pending slots at ``pending_ms``) and this engine reads what others
-  stored.
+  daemon gives their pending slots back when no rank stored with the ticket within
+  10 s) and this engine reads what others stored.
 - a reason (``str``) from ``cuda_data_path``: no CUDA usable here (no bindings, bindings
   of another CUDA major, no device): the worker runs without offloading (``OffloadOff``).
 

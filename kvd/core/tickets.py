@@ -8,6 +8,12 @@ lives until every rank of the tenant used it, or until its slots' pending deadli
 Scheduler and workers talk to the daemon over separate connections, so a Transfer can
 overtake its Allocate: it waits here (``park``) until the Allocate comes or a deadline
 passes.
+
+A ticket no rank has stored with by its ``claim_by`` is given up (``unclaimed``): its
+workers skipped the store (they copy for themselves, run without offloading, or lost
+the daemon), and its PENDING slots would otherwise hold the blocks from every other
+engine (their Lookups wait on them, their stores find them present) until the pending
+deadline, a minute by default.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class _Ticket:
     deadline: float
     gens: np.ndarray | None = None  # the slots' allocation numbers when handed out
     claimed: int = 0  # a bit per rank that stored with it
+    claim_by: float = float("inf")  # given up then if no rank stored with it
+    touched: bool = False  # some rank stored with it
 
 
 @dataclass(eq=False)
@@ -53,9 +61,10 @@ class Tickets(Generic[T]):
         return (tenant, ticket) in self._held
 
     def add(self, tenant: int, ticket: int, slots: np.ndarray, ranks: int,
-            deadline: float, gens: np.ndarray | None = None) -> list[T]:
+            deadline: float, gens: np.ndarray | None = None,
+            claim_by: float = float("inf")) -> list[T]:
         """Keep ``slots`` (and their allocation numbers, ``gens``) under the ticket;
-        returns the Transfers that came first."""
+        returns the Transfers that came first (they claim it at once)."""
         key = (tenant, ticket)
         if key in self._held:
             raise TicketError(f"ticket {ticket} is in use; pick another")
@@ -63,7 +72,8 @@ class Tickets(Generic[T]):
         if not (slots != NO_SLOT).any():  # nothing to store: no arrays kept (a client
             # asking again and again at a full pool must not grow the daemon)
             slots, gens = np.broadcast_to(np.uint32(NO_SLOT), slots.shape), None
-        self._held[key] = _Ticket(slots, max(1, ranks), deadline, gens)
+        self._held[key] = _Ticket(slots, max(1, ranks), deadline, gens,
+                                  claim_by=min(claim_by, deadline))
         return [item for _, item in self._parked.pop(key, ())]
 
     def take(self, tenant: int, ticket: int) -> np.ndarray | None:
@@ -85,10 +95,22 @@ class Tickets(Generic[T]):
             if held.claimed >> rank & 1:
                 raise TicketError(f"rank {rank} stored with ticket {ticket} already")
             held.claimed |= 1 << rank
+        held.touched = True
         held.ranks_left -= 1
         if held.ranks_left == 0:
             del self._held[(tenant, ticket)]
         return held.slots, held.gens
+
+    def unclaimed(self, now: float) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Give up the tickets no rank stored with by their ``claim_by``: their slots and
+        allocation numbers, for the caller to abort those still the ticket's."""
+        late = [k for k, t in self._held.items() if not t.touched and t.claim_by <= now]
+        out = []
+        for k in late:
+            t = self._held.pop(k)
+            if t.gens is not None:  # (slots all NO_SLOT otherwise: nothing to abort)
+                out.append((t.slots, t.gens))
+        return out
 
     def park(self, tenant: int, ticket: int, item: T, deadline: float) -> None:
         self._parked.setdefault((tenant, ticket), []).append((deadline, item))

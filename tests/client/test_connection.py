@@ -147,6 +147,70 @@ def test_a_connection_replaced_after_a_pause_lets_go_of_what_it_held(daemon_fact
         c.close()
 
 
+def test_a_client_the_daemon_forgot_registers_again_at_its_next_transfer(daemon_factory):
+    """The daemon dropped a quiet connection (client_timeout_ms); a busy worker sends a
+    Transfer before its next ping would have told it, and every one was refused
+    NOT_REGISTERED for as long as Transfers kept coming: offloading off for good."""
+    d = daemon_factory(env={"KVD_CLIENT_TIMEOUT_MS": "1000"})
+    spec = Spec(d.socket, pages=(4096,))
+    mem = [np.zeros((8, 4096), dtype=np.uint8)]
+    dones: list[m.Done] = []
+    c = Connection(d.socket, ping_interval=60, timeout=1.0, on_done=dones.append,
+                   register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
+    sched = Connection(d.socket, ping_interval=0.2, timeout=1.0,
+                       register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5) and sched.wait_up(5)
+        epoch = c.epoch
+        assert wait_for(lambda: len(d.status()["clients"]) == 2, 10)  # the worker dropped
+        codes = []
+        for i in range(20):
+            slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), [b"k%d" % i])).slots)
+            n = len(dones)
+            if c.send(m.Transfer(c.next_req(), i, m.Direction.STORE, pack_u32([0]),
+                                 pack_u32(slots))):
+                assert wait_for(lambda: len(dones) > n, 5)
+                codes.append(dones[-1].code)
+                if codes[-1] == m.Code.OK:
+                    break
+            time.sleep(0.1)
+        assert codes[0] == m.Code.NOT_REGISTERED and codes[-1] == m.Code.OK, codes
+        assert c.epoch > epoch  # registered again
+    finally:
+        c.close()
+        sched.close()
+
+
+def test_a_forked_child_fails_open_and_the_parent_goes_on(daemon):
+    """The child of a fork has the parent's socket but none of its threads: a call there
+    blocked for ever in the parent's socket (its timeout never fired)."""
+    spec = Spec(daemon.socket, pages=(4096,))
+    c = Connection(daemon.socket, timeout=0.5, register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5)
+        pid = os.fork()
+        if pid == 0:  # the child: only os._exit leaves it
+            code = 3
+            try:
+                c.request(m.Lookup(c.next_req(), [b"k"]))
+            except Unavailable:
+                code = 0 if not c.send(m.Transfer(1, 1, m.Direction.LOAD, b"", b"")) else 4
+            except BaseException:  # noqa: BLE001
+                code = 5
+            os._exit(code)
+        deadline = time.monotonic() + 10
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in a kvd call")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert c.request(m.Lookup(c.next_req(), [b"k"])).hits == 0  # the parent goes on
+    finally:
+        c.close()
+
+
 def test_lost_transfers_complete_with_an_error(daemon):
     """Every Transfer ends in exactly one Done, even when the daemon dies under it."""
     spec = Spec(daemon.socket, pages=(4096,))

@@ -69,3 +69,21 @@ def test_a_rank_claims_once_and_cannot_use_up_another_ranks_turn():
     assert len(t) == 1
     assert t.claim(1, 5, rank=1)[0].tolist() == [3, 4]
     assert len(t) == 0  # both ranks stored: retired
+
+
+def test_a_ticket_no_rank_stored_with_is_given_up_at_its_claim_time():
+    """Workers that skip their stores (copying for themselves, running without
+    offloading) left the slots PENDING until the pending deadline, holding the blocks
+    from every other engine. A ticket some rank used is kept until its deadline."""
+    t: Tickets[str] = Tickets()
+    gens = np.array([7, 0, 9], np.uint32)
+    t.add(1, 1, np.array([3, NO_SLOT, 5], np.uint32), 2, 60.0, gens, claim_by=10.0)
+    t.add(1, 2, np.array([6], np.uint32), 2, 60.0, np.array([1], np.uint32), claim_by=10.0)
+    t.add(1, 3, np.full(2, NO_SLOT, np.uint32), 1, 60.0, claim_by=10.0)
+    t.take(1, 2)  # one of two ranks stored with ticket 2
+    assert t.unclaimed(9.9) == []
+    (slots, g), = t.unclaimed(10.0)  # ticket 3 had nothing to store: nothing to give back
+    assert slots.tolist() == [3, NO_SLOT, 5] and g.tolist() == [7, 0, 9]
+    assert not t.holds(1, 1) and t.holds(1, 2) and not t.holds(1, 3)
+    assert t.take(1, 1) is None  # a store arriving after it waits, then ends refused
+    assert t.unclaimed(59.0) == [] and t.holds(1, 2)

@@ -12,6 +12,7 @@ from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
 from tests.daemon.test_integration import keys, lookup, scheduler
 from tests.daemon.workers import Spec, Worker
+from tests.waiting import wait_for
 
 
 def allocate(conn: Connection, ks: list[bytes], ticket: int) -> m.Reply:
@@ -187,3 +188,33 @@ def test_a_store_parked_for_its_allocate_ends_when_the_daemon_stops(daemon):
     finally:
         w.close()
         sched.close()
+
+
+def test_a_store_no_worker_makes_gives_its_slots_back(daemon_factory):
+    """Workers that copy for themselves (or run without offloading) skip every store:
+    the slots of their scheduler's Allocates stayed PENDING for pending_ms (a minute),
+    so another engine's Lookups of those blocks waited on them and its stores found
+    them present, never stored."""
+    d = daemon_factory(env={"KVD_STORE_CLAIM_MS": "500"})
+    spec = Spec(d.socket, seed=3)
+    skipping, other = scheduler(d, spec), scheduler(d, spec)
+    w = Worker(spec)
+    try:
+        ks = keys(4, "skipped")
+        allocate(skipping, ks, 5)  # its workers never store with ticket 5
+        assert lookup(other, ks).pending == 4
+        assert wait_for(lambda: d.status()["counters"]["unclaimed_blocks"] == 4, 10)
+        assert lookup(other, ks).pending == 0
+        allocate(other, ks, 6)  # the other engine's store now goes in
+        assert w.store(1, range(4), [], ticket=6)[1] == 0
+        assert lookup(other, ks).hits == 4
+        # A ticket some worker stored with is kept (the other ranks may come later).
+        more = keys(2, "claimed")
+        allocate(other, more, 7)
+        assert w.store(2, range(2), [], ticket=7)[1] == 0
+        time.sleep(1.0)
+        assert d.status()["counters"]["unclaimed_blocks"] == 4
+    finally:
+        w.close()
+        skipping.close()
+        other.close()
