@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvd.core.policies import policy_names
 from kvd.errors import ConfigError
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -83,6 +84,20 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     promote_max_blocks: int = 512  # blocks one Lookup may bring up from the tiers
 
     def __post_init__(self) -> None:
+        for key in sorted(SIZE_KEYS):
+            if getattr(self, key) > MAX_SIZE:
+                raise ValueError(f"{key} {getattr(self, key)} is more than 1 EiB")
+        if not self.min_slot_bytes <= self.extent_size:
+            raise ValueError(f"extent_size ({self.extent_size}) must hold a slot of "
+                             f"min_slot_bytes ({self.min_slot_bytes})")
+        for key in ("policy", "disk_policy"):
+            if getattr(self, key) and getattr(self, key) not in policy_names():
+                raise ValueError(f"{key} {getattr(self, key)!r}: known policies are "
+                                 f"{', '.join(policy_names())}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ValueError(f"socket_mode {self.socket_mode:#o} not in 0..0o777")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes must be at least {MIN_MESSAGE_BYTES}")
         if self.pool_size < self.extent_size:
             raise ValueError(
                 f"pool_size ({self.pool_size}) is smaller than extent_size ({self.extent_size})"
@@ -137,6 +152,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         return self.persist or self.verify_on_load
 
 
+MAX_SIZE = 1 << 60  # bytes: sizes beyond this are typos (the kernel refuses them anyway)
+MIN_MESSAGE_BYTES = 4096  # below this, a Register of an ordinary engine cannot get through
 FIELDS = frozenset(Config.__struct_fields__)
 LIST_KEYS = frozenset({"allowed_uids", "allowed_groups", "admin_uids"})
 SIZE_KEYS = frozenset({"pool_size", "extent_size", "min_slot_bytes", "disk_size",
@@ -168,6 +185,15 @@ def _normalize(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
                 raise ConfigError(f"{source}: {key}: {e}") from None
         elif k in LIST_KEYS and isinstance(value, str):  # KVD_ALLOWED_UIDS=1000,1001
             value = [v.strip() for v in value.split(",") if v.strip()]
+        elif k == "socket_mode" and isinstance(value, str):  # KVD_SOCKET_MODE=0660: octal
+            try:
+                value = int(value.strip().removeprefix("0o").removeprefix("0O") or "x", 8)
+            except ValueError:
+                raise ConfigError(f"{source}: socket_mode: not an octal mode: {value!r} "
+                                  "(use e.g. 0660)") from None
+        if k == "allowed_groups" and isinstance(value, list):  # names or gids
+            value = [str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                     for v in value]
         out[k] = value
     return out
 
@@ -211,8 +237,12 @@ def load(
     try:
         cfg = msgspec.convert(merged, Config, strict=False)
     except msgspec.ValidationError as e:
-        # msgspec names the key as `$.key`; say where the value came from as well.
+        # msgspec names the key as `$.key`, the checks above by its name first: say
+        # where the value came from as well.
         m = re.search(r"\$\.(\w+)", str(e))
-        where = f" (from {origin[m.group(1)]})" if m and m.group(1) in origin else ""
+        named = [m.group(1)] if m else [w for w in re.findall(r"\w+", str(e)) if w in origin]
+        set_by = [origin[k] for k in named if origin[k] != "default"] or \
+            [origin[k] for k in named]
+        where = f" (from {set_by[0]})" if set_by else ""
         raise ConfigError(f"invalid configuration: {e}{where}") from None
     return cfg, origin

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvd import start_signals
 from kvd.access import Access
 from kvd.config import Config
 from kvd.errors import KvdError
@@ -121,6 +122,9 @@ class Lifecycle:
             self.phase = "serving"
         server.loop.add_signal_handler(signal.SIGHUP, self.reload)
         self.notifier.ready(self.status_line())
+        if start_signals.reload_pending():  # a SIGHUP during start-up: the file may
+            log.info("applying the reload signalled during start-up")  # have changed
+            self.reload()
         if self.notifier.watchdog_interval > 0:
             log.info("systemd watchdog: pinging every %.1fs", self.notifier.watchdog_interval)
             self._watchdog()

@@ -275,7 +275,8 @@ class Metrics:
             log.error("metrics endpoint not started: cannot bind %s:%d: %s", addr, port,
                       e.strerror or e)
             return ""
-        self.address = f"http://{addr}:{port}/metrics"
+        host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address in a URL
+        self.address = f"http://{host}:{port}/metrics"
         log.info("metrics on %s", self.address)
         return self.address
 

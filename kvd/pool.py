@@ -64,8 +64,8 @@ class Pool:
         self.path = path
         self.size = size
         self.keep = keep
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise ConfigError(f"cannot open pool file {path}: {e.strerror}") from None

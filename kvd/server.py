@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import stat
-import threading
 import time
 
 import msgspec
@@ -27,6 +26,7 @@ from kvd.engines.base import CopyJob, TransferEngine
 from kvd.engines.cuda import ClientCopyEngine, CudaEngine, gpu_path
 from kvd.engines.host import HostEngine
 from kvd.lifecycle import Lifecycle, ReloadFn
+from kvd.start_signals import take_start_signals
 from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
 from kvd.pool import Pool
@@ -66,14 +66,12 @@ class Server:
         Access(config)  # allowed_groups that name no group: refused before anything exists
         # Until run() takes them over: a stop during a long start-up (pool prefault,
         # journal restore) exits cleanly, removing what was made; a reload waits.
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, _stop_starting)
+        take_start_signals()
         self.pinner: PoolPinner | None = None
         self.engines: dict[str, TransferEngine] = {}
         self._bound = False  # the socket path is ours to remove
         self._bound_inode = (0, 0)
+        self.loop_has_signals = False  # run() took SIGTERM/SIGINT over from start-up
         try:
             self._start(config)
         except BaseException:
@@ -160,7 +158,11 @@ class Server:
     def _bind(self) -> None:
         path = self.config.socket
         directory = os.path.dirname(path) or "."
-        os.makedirs(directory, mode=0o770, exist_ok=True)
+        try:
+            os.makedirs(directory, mode=0o770, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the socket's directory {directory}: "
+                              f"{e.strerror}") from None
         if os.path.exists(path):
             if not stat.S_ISSOCK(os.stat(path).st_mode):
                 raise ConfigError(f"{path} exists and is not a socket")
@@ -334,14 +336,16 @@ class Server:
 
     # ------------------------------------------------------------ run
     async def run(self) -> None:
+        # First: from here a stop is the loop's (a graceful one), no longer start-up's.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self.lifecycle.request_stop)
+        self.loop_has_signals = True
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         replay_fd = self.kv_events.publisher.replay_fd if self.kv_events else None
         if replay_fd is not None:
             assert self.kv_events is not None
             self.loop.add_reader(replay_fd, self._service_replay)
             self._service_replay()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.loop.add_signal_handler(sig, self.lifecycle.request_stop)
         self.loop.call_later(TICK_S, self._tick)
         self._drain()
         log.info("kvd serving on %s: pool %d MiB at %s, policy %s, pid %d",
@@ -392,14 +396,12 @@ class Server:
 async def serve(config: Config, origins: dict[str, str] | None = None,
                 reload_config: ReloadFn | None = None) -> None:
     server = Server(config, origins, reload_config)
-    await server.run()
-
-
-def _stop_starting(signum: int, frame: object) -> None:
-    """SIGTERM/SIGINT before the loop serves: unwind the start-up (``_undo_start``),
-    then exit 0, as a stop once serving does."""
-    log.info("stopped during start-up (signal %d)", signum)
-    raise SystemExit(0)
+    try:
+        await server.run()
+    except SystemExit:  # a stop in the instant between start-up and the loop's handlers
+        if not server.loop_has_signals:
+            server._undo_start()
+        raise
 
 
 def _listening(path: str) -> bool:

@@ -32,13 +32,36 @@ socket: --socket, else $KVD_SOCKET, else `socket` from --config / $KVD_CONFIG /
 /etc/kvd/kvd.toml, else the daemon's default."""
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < 1e6:  # nan and inf fail this too
+        raise argparse.ArgumentTypeError(f"{text}: expected seconds above 0")
+    return value
+
+
+def _tenant_id(text: str) -> int:
+    """A tenant id as the daemon gives them (-1 means "all" on the wire: use --all)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a tenant id: {text!r}") from None
+    if not 0 <= value < 1 << 32:
+        raise argparse.ArgumentTypeError(f"{text}: tenant ids are 0 or more (--all for "
+                                         "every tenant)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvdctl", description="Administer the local kvd.",
                                 epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--socket", help="daemon socket path")
     p.add_argument("--config", metavar="FILE", help="read `socket` from this kvd.toml")
-    p.add_argument("--timeout", type=float, default=3.0,
+    p.add_argument("--timeout", type=_seconds, default=3.0,
                    help="seconds to wait for kvd (default %(default)s)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -51,12 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmd("tenants", "one row per tenant: model, TP size, block size, blocks and bytes held")
     cmd("clients", "one row per connected client: pid, name, tenant, rank, transfers")
     t = cmd("top", "live view refreshed every second until Ctrl-C (--json: one line each)")
-    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    t.add_argument("--interval", type=_seconds, default=1.0,
+                   help="seconds between refreshes")
     t.add_argument("--iterations", type=int, default=0, help=argparse.SUPPRESS)
     e = cmd("evict", "drop READY unpinned blocks of one tenant (--tenant) or of all (--all); "
                      "leased, pending and in-flight blocks stay")
     g = e.add_mutually_exclusive_group(required=True)
-    g.add_argument("--tenant", type=int, metavar="ID")
+    g.add_argument("--tenant", type=_tenant_id, metavar="ID")
     g.add_argument("--all", action="store_true")
     cmd("flush", "empty the cache like memcached's flush_all: drop every READY unpinned "
                  "block of every tenant; blocks in use (leased, being stored or copied) stay")
@@ -85,15 +109,30 @@ def resolve_socket(args: argparse.Namespace) -> str:
     if not file and os.path.exists(SYSTEM_CONFIG):
         file = SYSTEM_CONFIG
     if file:
-        from kvd.config import load
-
         try:
-            return load(file, environ={})[0].socket
-        except Exception as e:  # noqa: BLE001 - fall back, but say why
+            return _socket_of(file) or default_socket()
+        except ValueError as e:  # fall back, but say why
             if args.config:
                 raise
             print(f"kvdctl: ignoring {file}: {e}", file=sys.stderr)
     return default_socket()
+
+
+def _socket_of(file: str) -> str:
+    """The ``socket`` key of a kvd.toml, nothing else of it: the daemon's other settings
+    (and their environment) are the daemon's business. ValueError says why not."""
+    import tomllib
+
+    try:
+        with open(file, "rb") as f:
+            socket = tomllib.load(f).get("socket", "")
+    except OSError as e:
+        raise ValueError(f"cannot read config file {file}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{file}: not valid TOML: {e}") from None
+    if not isinstance(socket, str):
+        raise ValueError(f"{file}: socket must be a path, not {socket!r}")
+    return socket
 
 
 def _client(args: argparse.Namespace) -> AdminClient:
@@ -239,23 +278,18 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "events":
-        try:
-            args.socket_path = resolve_socket(args)
-            return tail.run(args, _client(args))
-        except AdminError as e:
-            print(f"kvdctl: {e}", file=sys.stderr)
-            return e.exit_code
     if args.command == "simulate":
         from kvd.cli import simulate
 
         return simulate.run(args)
     try:
         args.socket_path = resolve_socket(args)
-    except Exception as e:  # noqa: BLE001 - an explicit --config that does not load
+    except ValueError as e:  # an explicit --config that does not load
         print(f"kvdctl: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        if args.command == "events":
+            return tail.run(args, _client(args))
         return COMMANDS[args.command](args)
     except AdminError as e:
         print(f"kvdctl: {e}", file=sys.stderr)

@@ -51,7 +51,8 @@ def clients_table(clients: list[dict[str, Any]]) -> str:
         return "no clients"
     return table([[c["id"], c["pid"], c.get("kind", "-"), c["name"] or "-",
                    "-" if c["tenant"] is None else c["tenant"],
-                   "sched" if c["rank"] < 0 else c["rank"], c["inflight"], c["requests"]]
+                   "-" if c["tenant"] is None else "sched" if c["rank"] < 0 else c["rank"],
+                   c["inflight"], c["requests"]]
                   for c in clients],
                  ["CLIENT", "PID", "KIND", "NAME", "TENANT", "RANK", "INFLIGHT", "REQUESTS"])
 

@@ -11,6 +11,7 @@ from kvd import __version__
 from kvd.config import load
 from kvd.errors import KvdError
 from kvd.logs import setup_logging
+from kvd.start_signals import take_start_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    take_start_signals()  # a stop or reload before the daemon serves is not its death
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:

@@ -126,6 +126,7 @@ class DiskTier(Tier):
                                      "corrupt_blocks", "declined_blocks",
                                      "unreadable_blocks", "bad_slots"), 0)
         data = os.path.join(path, DATA_FILE)
+        existed = os.path.exists(data), os.path.exists(os.path.join(path, JOURNAL_FILE))
         try:
             os.makedirs(path, exist_ok=True)
             self._fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -143,19 +144,33 @@ class DiskTier(Tier):
         try:
             self.restored_blocks = self._restore(reused)
             self._reserve()
-        except ConfigError:
-            self.journal.close()
-            os.close(self._fd)
-            raise
-        except OSError as e:
-            self.journal.close()
-            os.close(self._fd)
+        except (ConfigError, OSError) as e:
+            self._undo_open(reused, existed)
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(f"disk tier: cannot size or restore {path}: {e}") from None
         try:
             self._compact()
         except OSError as e:  # serving beats a tidy journal: appends go on, or fail then
             log.error("disk tier %s: cannot rewrite its journal at start: %s", path, e)
             self._fault(e)
+
+    def _undo_open(self, reused: bool, existed: tuple[bool, bool]) -> None:
+        """A start that failed gives back what it took: a reservation that failed part
+        way keeps what it got (tens of GB on a nearly full disk), and files it made."""
+        if not reused:  # held nothing of value: _restore emptied it
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
+        self.journal.close()
+        os.close(self._fd)
+        for made, name in zip(existed, (DATA_FILE, JOURNAL_FILE)):
+            if not made:
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except OSError:
+                    pass
 
     def _reserve(self) -> None:
         """Allocate the whole file now: a disk without room for it refuses the start,

@@ -36,6 +36,40 @@ def test_bad_values_are_rejected_naming_the_key(env, key):
         load(None, env)
 
 
+@pytest.mark.parametrize("env,match", [
+    # Each was a traceback at start (some only after the whole pool was faulted in), a
+    # world-writable socket, or a daemon that dropped every message.
+    ({"KVD_EXTENT_SIZE": "0"}, "extent_size .* min_slot_bytes"),
+    ({"KVD_MIN_SLOT_BYTES": "128M"}, "extent_size .* min_slot_bytes"),
+    ({"KVD_POLICY": "bogus"}, "policy 'bogus': known policies are .*adaptive"),
+    ({"KVD_DISK_POLICY": "bogus"}, "disk_policy 'bogus'"),
+    ({"KVD_POOL_SIZE": "99999999999999999T"}, "pool_size .* more than 1 EiB"),
+    ({"KVD_SOCKET_MODE": "99"}, "socket_mode: not an octal mode"),
+    ({"KVD_MAX_MESSAGE_BYTES": "0"}, "max_message_bytes must be at least 4096"),
+])
+def test_values_that_cannot_work_are_refused_at_load_naming_where_they_came_from(env, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load(None, env)
+    if "octal" not in match:
+        assert "(from env)" in str(e.value)
+
+
+def test_socket_mode_is_octal_from_every_source_and_within_0o777(tmp_path):
+    for value in ("0660", "0o660", "660"):
+        assert load(None, {"KVD_SOCKET_MODE": value})[0].socket_mode == 0o660
+    f = tmp_path / "kvd.toml"
+    for text in ("socket_mode = -1\n", "socket_mode = 99999999999\n"):
+        f.write_text(text)
+        with pytest.raises(ConfigError, match="socket_mode .* not in 0..0o777"):
+            load(str(f), {})
+
+
+def test_allowed_groups_take_gids_as_numbers_too(tmp_path):
+    f = tmp_path / "kvd.toml"
+    f.write_text('allowed_groups = [0, "root"]\n')
+    assert load(str(f), {})[0].allowed_groups == ["0", "root"]
+
+
 def test_cross_field_validation():
     with pytest.raises(ConfigError, match="extent_size"):
         load(None, {}, {"pool_size": "1M", "extent_size": "64M"})

@@ -177,6 +177,25 @@ def test_usage_errors_exit_2(capsys):
         assert e.value.code == 2
     assert ctl.main(["--config", "/nonexistent/kvd.toml", "status"]) == 2
     assert "cannot read config file" in capsys.readouterr().err
+    for command in ("events", "health"):  # events raised a traceback (exit 1)
+        assert ctl.main(["--config", "/nonexistent/kvd.toml", command]) == 2
+    # -1 is "every tenant" on the wire; negative or NaN times hung or raised.
+    for argv in (["evict", "--tenant", "-1"], ["evict", "--tenant", "1" + "0" * 20],
+                 ["--timeout", "nan", "status"], ["--timeout", "-1", "status"],
+                 ["top", "--interval", "-1"], ["top", "--interval", "0"]):
+        with pytest.raises(SystemExit) as e:
+            ctl.main(argv)
+        assert e.value.code == 2, argv
+
+
+def test_the_config_file_gives_kvdctl_its_socket_only(tmp_path, capsys, monkeypatch):
+    """kvdctl validated the whole daemon config without the daemon's environment: a
+    file whose disk_size came from the daemon's environment made it exit 2."""
+    f = tmp_path / "kvd.toml"
+    f.write_text(f'socket = "{tmp_path}/kvd.sock"\ndisk_path = "{tmp_path}/d"\n')
+    monkeypatch.delenv("KVD_SOCKET", raising=False)
+    code, out, err = run(capsys, "--config", str(f), "--timeout", "0.2", "health")
+    assert code == 3 and str(tmp_path / "kvd.sock") in out + err
 
 
 def test_socket_comes_from_the_config_file(busy_daemon, tmp_path, capsys, monkeypatch):

@@ -23,6 +23,7 @@ from kvd.service import Service
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32
 from tests.daemon.workers import Spec, fingerprint
+from tests.waiting import wait_for
 
 
 def wait_log(d, text: str, timeout: float = 10.0) -> str:
@@ -291,6 +292,45 @@ def test_a_stop_during_start_up_exits_cleanly_and_a_reload_waits(daemon_factory)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_reload_signalled_during_start_up_is_applied_once_serving(daemon_factory):
+    """The operator edits the file and sends SIGHUP while a large pool is prepared: the
+    signal was ignored, and the edit silently not applied until the next reload."""
+    import subprocess
+    import sys
+    d = daemon_factory(start=False)
+    d.args[d.args.index("--pool-size") + 1] = "2G"
+    f = d.log.parent / f"{uuid.uuid4().hex[:6]}.toml"
+    f.write_text("max_lease_ms = 1000\n")
+    cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
+           "--pool-path", d.pool_path, "--config", str(f), *d.args]
+    proc = subprocess.Popen(cmd, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT,
+                            env=_daemon_env())
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(d.pool_path) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        f.write_text("max_lease_ms = 777\n")
+        proc.send_signal(signal.SIGHUP)
+        d.proc = proc
+        assert wait_for(lambda: os.path.exists(d.socket) or proc.poll() is not None, 60)
+        assert proc.poll() is None, d.logs()
+        assert wait_for(lambda: _config_value(d, "max_lease_ms") == 777, 10), d.logs()
+        assert d.stop() == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _config_value(d, key: str):
+    from kvd_client import Connection
+
+    with Connection(d.socket, name="test-config") as c:
+        assert c.wait_up(10)
+        reply = c.request(m.GetConfig(c.next_req()), 10)
+    return json.loads(reply.values)[key]
 
 
 def test_reloads_that_would_lock_clients_out_are_refused(daemon_factory, tmp_path, capsys):

@@ -691,3 +691,31 @@ except ConfigError as e:
                          timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("refused: disk tier") and str(tmp_path) in out.stdout
+
+
+def test_a_reservation_that_fails_part_way_gives_back_what_it_got(tmp_path, monkeypatch):
+    """posix_fallocate that runs out of room keeps the blocks it allocated: a start
+    refused for a 200 GB tier on a 73 GB disk left a file holding 72 GB. A new file is
+    removed; a kept one (a restart's blocks) is left as it was."""
+    real = os.posix_fallocate
+
+    def part_way(fd, off, size):
+        real(fd, off, size // 2)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", part_way)
+    with pytest.raises(ConfigError, match="cannot reserve"):
+        DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    assert sorted(os.listdir(tmp_path)) == []
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    assert t.put(NS, blocks(ks("a", 3))) == 3
+    t.close()
+    monkeypatch.setattr(os, "posix_fallocate", part_way)
+    with pytest.raises(ConfigError):
+        DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)  # its blocks still there
+    assert t.status()["restored_blocks"] == 3
+    assert_hits(t, ks("a", 3))
+    t.close()
