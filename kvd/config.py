@@ -102,8 +102,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError(
                 f"pool_size ({self.pool_size}) is smaller than extent_size ({self.extent_size})"
             )
-        if self.copy_threads < 1:
-            raise ValueError("copy_threads must be at least 1")
+        if not 1 <= self.copy_threads <= 256:
+            raise ValueError(f"copy_threads {self.copy_threads} not in 1..256")
         if not 0 <= self.copy_nice <= 19:
             raise ValueError(f"copy_nice {self.copy_nice} not in 0..19")
         if self.min_slot_bytes < 64:

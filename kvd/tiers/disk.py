@@ -48,6 +48,7 @@ DATA_FILE = "kvd-disk.slots"
 JOURNAL_FILE = "kvd-disk.journal"
 FAULT_COOLDOWN_S = 5.0  # after a failed read or write, the tier is off this long
 CLOSE_WAIT_S = 10.0  # how long close() waits for a write in flight (a stalled disk)
+COMPACT_RETRY_S = 30.0  # after a journal rewrite failed, the next try
 
 
 class _Staged(NamedTuple):
@@ -116,6 +117,7 @@ class DiskTier(Tier):
         self._put_lock = threading.Lock()
         self.clock: Callable[[], float] = time.monotonic
         self._off_until = 0.0  # the tier is off (a fault) until then
+        self._compact_after = 0.0  # no journal rewrite before then (one failed)
         self._faults = 0  # consecutive
         self.last_error = ""
         self._entries: dict[bytes, DiskPut] = {}  # scoped key -> block; order: recency
@@ -361,7 +363,8 @@ class DiskTier(Tier):
                 self._entries[w.scoped] = p
                 self.policy.insert(w.scoped, p.depth)
             self.counts["written_blocks"] += len(puts)
-            compact = self._records > max(self.compact_min_records, 4 * len(self._entries))
+            compact = (self._records > max(self.compact_min_records, 4 * len(self._entries))
+                       and self.clock() >= self._compact_after)
         try:
             if self.sync:
                 self.journal.sync()
@@ -369,6 +372,8 @@ class DiskTier(Tier):
                 self._compact()
         except OSError as e:  # the blocks are written and held; a restart may miss them
             log.warning("disk tier %s: journal: %s", self.path, e)
+            if compact:  # not a full snapshot per put while the disk refuses them
+                self._compact_after = self.clock() + COMPACT_RETRY_S
         return len(puts)
 
     @_io_errors

@@ -719,3 +719,26 @@ def test_a_reservation_that_fails_part_way_gives_back_what_it_got(tmp_path, monk
     assert t.status()["restored_blocks"] == 3
     assert_hits(t, ks("a", 3))
     t.close()
+
+
+def test_a_journal_rewrite_that_fails_is_not_tried_at_every_put(tmp_path, monkeypatch):
+    """A disk that refuses the journal's snapshot (full, or no permission) got a full
+    snapshot of the index, with its fsync, tried again at every put."""
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    now = [0.0]
+    t.clock = lambda: now[0]
+    tries = []
+
+    def refused(records):
+        tries.append(1)
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(t.journal, "write_snapshot", refused)
+    for i in range(6):
+        t._records = 10**6  # a journal long past its rewrite point
+        assert t.put(NS, blocks(ks(f"a{i}-", 2))) == 2  # the blocks are held all the same
+    assert len(tries) == 1
+    now[0] += disk_module.COMPACT_RETRY_S
+    t.put(NS, blocks(ks("b", 2)))
+    assert len(tries) == 2
+    assert_hits(t, ks("a5-", 2))
