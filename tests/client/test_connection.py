@@ -70,14 +70,21 @@ def test_the_io_thread_leaves_the_compute_cpu_it_was_started_from(tmp_path):
     assert out["zmq"] and all(out["pinned"] not in cpus for cpus in out["zmq"]), out
 
 
-def test_reconnects_and_reregisters_after_a_daemon_restart(daemon):
-    spec = Spec(daemon.socket, pages=(4096,))
+def worker_and_scheduler(socket: str, worker_ping: float = 0.2):
+    """A worker connection with host memory (its Dones collected) and a scheduler
+    connection of the same tenant: (worker, scheduler, dones, memory)."""
+    spec = Spec(socket, pages=(4096,))
     mem = [np.zeros((8, 4096), dtype=np.uint8)]
     dones: list[m.Done] = []
-    c = Connection(daemon.socket, ping_interval=0.2, timeout=1.0, on_done=dones.append,
+    c = Connection(socket, ping_interval=worker_ping, timeout=1.0, on_done=dones.append,
                    register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
-    sched = Connection(daemon.socket, ping_interval=0.2, timeout=1.0,
+    sched = Connection(socket, ping_interval=0.2, timeout=1.0,
                        register=m.Register(0, fingerprint(spec), -1))
+    return c, sched, dones, mem
+
+
+def test_reconnects_and_reregisters_after_a_daemon_restart(daemon):
+    c, sched, dones, _mem = worker_and_scheduler(daemon.socket)
     try:
         assert c.wait_up(5) and sched.wait_up(5)
         first = c.instance
@@ -152,13 +159,7 @@ def test_a_client_the_daemon_forgot_registers_again_at_its_next_transfer(daemon_
     Transfer before its next ping would have told it, and every one was refused
     NOT_REGISTERED for as long as Transfers kept coming: offloading off for good."""
     d = daemon_factory(env={"KVD_CLIENT_TIMEOUT_MS": "1000"})
-    spec = Spec(d.socket, pages=(4096,))
-    mem = [np.zeros((8, 4096), dtype=np.uint8)]
-    dones: list[m.Done] = []
-    c = Connection(d.socket, ping_interval=60, timeout=1.0, on_done=dones.append,
-                   register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
-    sched = Connection(d.socket, ping_interval=0.2, timeout=1.0,
-                       register=m.Register(0, fingerprint(spec), -1))
+    c, sched, dones, _mem = worker_and_scheduler(d.socket, worker_ping=60)
     try:
         assert c.wait_up(5) and sched.wait_up(5)
         epoch = c.epoch

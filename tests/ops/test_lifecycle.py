@@ -208,6 +208,22 @@ def _daemon_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVD_E2E")}
 
 
+def _start_slowly(d):
+    """Start ``d`` with a pool large enough (2 GiB) that its start-up can be caught:
+    the process, once the pool file exists (the pool is being made)."""
+    import subprocess
+    import sys
+    d.args[d.args.index("--pool-size") + 1] = "2G"
+    cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
+           "--pool-path", d.pool_path, *d.args]
+    proc = subprocess.Popen(cmd, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT,
+                            env=_daemon_env())
+    deadline = time.monotonic() + 20
+    while not os.path.exists(d.pool_path) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return proc
+
+
 def _run_to_exit(d, timeout: float = 30.0) -> int:
     """Start ``d`` without waiting for it to serve; its exit status."""
     import subprocess
@@ -265,19 +281,10 @@ def test_a_stop_during_start_up_exits_cleanly_and_a_reload_waits(daemon_factory)
     """SIGTERM while the pool is still being made: exit 0, nothing left (before: killed
     by the signal, the pool file left). SIGHUP then: ignored until the daemon serves
     (before: killed)."""
-    import subprocess
-    import sys
     for sig, serving in ((signal.SIGTERM, False), (signal.SIGHUP, True)):
         d = daemon_factory(start=False)
-        d.args[d.args.index("--pool-size") + 1] = "2G"  # a start-up long enough to hit
-        cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
-               "--pool-path", d.pool_path, *d.args]
-        proc = subprocess.Popen(cmd, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT,
-                                env=_daemon_env())
+        proc = _start_slowly(d)
         try:
-            deadline = time.monotonic() + 20
-            while not os.path.exists(d.pool_path) and time.monotonic() < deadline:
-                time.sleep(0.001)
             proc.send_signal(sig)
             if serving:
                 deadline = time.monotonic() + 60
@@ -297,20 +304,12 @@ def test_a_stop_during_start_up_exits_cleanly_and_a_reload_waits(daemon_factory)
 def test_a_reload_signalled_during_start_up_is_applied_once_serving(daemon_factory):
     """The operator edits the file and sends SIGHUP while a large pool is prepared: the
     signal was ignored, and the edit silently not applied until the next reload."""
-    import subprocess
-    import sys
     d = daemon_factory(start=False)
-    d.args[d.args.index("--pool-size") + 1] = "2G"
     f = d.log.parent / f"{uuid.uuid4().hex[:6]}.toml"
     f.write_text("max_lease_ms = 1000\n")
-    cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
-           "--pool-path", d.pool_path, "--config", str(f), *d.args]
-    proc = subprocess.Popen(cmd, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT,
-                            env=_daemon_env())
+    d.args += ["--config", str(f)]
+    proc = _start_slowly(d)
     try:
-        deadline = time.monotonic() + 20
-        while not os.path.exists(d.pool_path) and time.monotonic() < deadline:
-            time.sleep(0.001)
         f.write_text("max_lease_ms = 777\n")
         proc.send_signal(signal.SIGHUP)
         d.proc = proc
