@@ -100,7 +100,9 @@ class Connection(Shared):
         return self._handshaking
 
     def wait_up(self, timeout: float) -> bool:
-        return self._up.wait(timeout)
+        """Whether the connection is up within ``timeout``; False at once once closed
+        (or in a fork's child)."""
+        return not self._closed and self._up.wait(timeout)
 
     def register(self, msg: m.Register, timeout: float | None = None) -> m.Registered:
         """Join a tenant; replayed by itself after every reconnect."""
@@ -110,7 +112,7 @@ class Connection(Shared):
             assert isinstance(reply, m.Registered)
             self.registered = reply
             return reply
-        if not self._up.wait(self.timeout if timeout is None else timeout):
+        if not self.wait_up(self.timeout if timeout is None else timeout):
             raise Unavailable(f"kvd at {self.endpoint} did not accept the registration")
         assert self.registered is not None
         return self.registered

@@ -342,8 +342,9 @@ class IOLoop:
             code = reply.code if isinstance(reply, m.Error) else m.Code.INTERNAL
             text = reply.message if isinstance(reply, m.Error) else "unexpected reply"
             self.deliver(m.Done(msg.req, msg.event, code, text))
-            if code == m.Code.NOT_REGISTERED:  # the daemon dropped this connection (it
-                # thought us silent): register again, or every Transfer fails like this
+            if code == m.Code.NOT_REGISTERED and self.phase == "up":  # the daemon dropped
+                # this connection (it thought us silent): register again, or every
+                # Transfer fails like this (once: the next refusals need no new try)
                 self.lost("kvd forgot this client")
             return
         if reply.req == self.handshake_req and self.phase in ("hello", "register"):

@@ -125,8 +125,9 @@ class Tier(ABC):
     def connect(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout: float | None = None) -> None:
+        """Release what the tier holds, waiting at most ``timeout`` seconds (None: the
+        tier's own bound) for work in flight: a stop must not hang on a stalled tier."""
 
 
 # name -> "module:Class", imported lazily (the remote tier imports its client library).

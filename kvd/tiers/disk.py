@@ -332,7 +332,7 @@ class DiskTier(Tier):
                                                - len(placed))
         # Only this put (under _put_lock) can take the slots just freed: their Drops
         # reach the journal before the slots are written.
-        data_written = False
+        stage = "journal"  # what failed, if something does: the journal or the data
         try:
             self._append([DiskDrop(s) for s in dropped])
             if not placed:
@@ -340,18 +340,19 @@ class DiskTier(Tier):
             sizes = np.array([w.slot_bytes for w in placed], dtype=np.int64)
             iovs = [[w.head, w.view, *pad(w.slot_bytes - HEADER_BYTES - w.view.nbytes)]
                     for w in placed]
+            stage = "data"
             if not all(vectored(os.pwritev, self._fd, iovs, self._offsets(slots, sizes),
-                                 sizes)):
-                raise OSError(errno.EIO, "short write")
+                                 sizes)):  # no error, fewer bytes: the filesystem filled
+                raise OSError(errno.ENOSPC, "short write (the filesystem is full?)")
             if self.sync:
                 os.fdatasync(self._fd)
-            data_written = True
+            stage = "journal"
             puts = [DiskPut(ns, w.block.key, s, w.slot_bytes, w.view.nbytes, w.checksum,
                             w.block.depth) for w, s in zip(placed, slots)]
             self._append(puts)
         except OSError as e:
             with self._lock:
-                if e.errno == errno.EIO and not data_written:  # bad sectors: set aside,
+                if e.errno == errno.EIO and stage == "data":  # bad sectors: set aside,
                     self.counts["bad_slots"] += len(slots)  # or the next put takes them
                 else:  # a full or read-only filesystem, a journal that failed: reusable
                     self.allocator.free_many(slots)
@@ -482,19 +483,21 @@ class DiskTier(Tier):
                     "restored_blocks": self.restored_blocks, **self.counts,
                     "consecutive_failures": self._faults, "last_error": self.last_error}
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Sync, compact the journal, release the files; a second call does nothing.
-        A disk that does not let a write (or this sync) finish within CLOSE_WAIT_S keeps
-        its files open: the process exits all the same, the journal as it was."""
+        A disk that does not let a write (or this sync) finish within ``timeout``
+        (CLOSE_WAIT_S at most) keeps its files open: the process exits all the same,
+        the journal as it was."""
+        wait = CLOSE_WAIT_S if timeout is None else min(timeout, CLOSE_WAIT_S)
         done = threading.Event()
         closer = threading.Thread(target=self._close, args=(done,), daemon=True,
                                   name="kvd-disk-close")
         closer.start()
-        if not done.wait(CLOSE_WAIT_S):
+        if not done.wait(wait):
             with self._lock:
                 self._closed = True
-            log.error("disk tier %s: I/O did not finish within %.0fs; closing without it",
-                      self.path, CLOSE_WAIT_S)
+            log.error("disk tier %s: I/O did not finish within %.1fs; closing without it",
+                      self.path, wait)
 
     def _close(self, done: threading.Event) -> None:
         with self._put_lock:

@@ -207,7 +207,7 @@ class RedisTier(Tier):
                     "rejected_blocks": self.rejected_blocks, "errors": self.errors,
                     "consecutive_failures": self._failures, "last_error": self.last_error}
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
@@ -369,10 +369,13 @@ def _execute(node: redis.Redis, cmds: list[Command], where: str,
     for cmd in cmds:
         pipe.execute_command(*cmd)
     watchdog: _Watchdog | None = None
+    pool = node.connection_pool
     try:
-        if budget_s > 0:  # this call's own connection, so the watchdog cuts only it
-            pipe.connection = node.connection_pool.get_connection()
-            watchdog = _Watchdog(pipe, budget_s)
+        if budget_s > 0:  # this call's own connection, kept from the pool until the
+            # watchdog is cancelled: it must never cut a connection another call took
+            pipe.connection = pool.get_connection()
+            pipe.connection_pool = _Held(pool)
+            watchdog = _Watchdog(pipe.connection, budget_s)
         replies = pipe.execute(raise_on_error=False)
     except (RedisConnectionError, RedisTimeoutError) as e:
         if watchdog is not None and watchdog.fired:
@@ -381,22 +384,41 @@ def _execute(node: redis.Redis, cmds: list[Command], where: str,
         raise TierError(f"redis node {where}: {_describe(e)}") from e
     finally:
         if watchdog is not None:
-            watchdog.cancel()
-        pipe.reset()  # gives the connection back (execute did, unless it never ran)
+            conn = watchdog.cancel()
+            pipe.reset()  # (into _Held)
+            if watchdog.fired:
+                conn.disconnect()  # its socket is shut: the pool reconnects it
+            pool.release(conn)
+        else:
+            pipe.reset()  # gives the connection back (execute did, unless it never ran)
     for reply in replies:
         if isinstance(reply, ClusterDownError):  # and MASTERDOWN
             raise TierError(f"redis node {where}: cluster down ({reply})")
     return replies
 
 
-class _Watchdog:
-    """Shuts a pipeline's socket down if its call outlives ``budget_s``: the blocked
-    read then fails (redis-py drops that connection), where a socket timeout would not
-    fire as long as some bytes keep coming."""
+class _Held:
+    """A connection pool whose ``release`` only holds the connection: the caller gives
+    it back once its watchdog can no longer fire."""
 
-    def __init__(self, pipe: Any, budget_s: float) -> None:
-        self._pipe = pipe
-        self._sock = getattr(pipe.connection, "_sock", None)  # redis-py's, of this call
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def release(self, conn: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+class _Watchdog:
+    """Shuts a connection's socket down if its call outlives ``budget_s``: the blocked
+    read then fails, where a socket timeout would not fire as long as some bytes keep
+    coming. The connection stays the call's until ``cancel``."""
+
+    def __init__(self, conn: Any, budget_s: float) -> None:
+        self.conn = conn
+        self._sock = getattr(conn, "_sock", None)  # redis-py's socket of this connection
         self._lock = threading.Lock()
         self.fired = self._done = False
         self._timer = threading.Timer(budget_s, self._fire)
@@ -405,8 +427,7 @@ class _Watchdog:
 
     def _fire(self) -> None:
         with self._lock:
-            # Once the pipeline gave its connection back, the socket is the pool's.
-            if self._done or self._sock is None or self._pipe.connection is None:
+            if self._done or self._sock is None:
                 return
             self.fired = True
             try:
@@ -414,10 +435,12 @@ class _Watchdog:
             except OSError:
                 pass
 
-    def cancel(self) -> None:
+    def cancel(self) -> Any:
+        """No firing from now on; the connection, for the caller to give back."""
         with self._lock:
             self._done = True
         self._timer.cancel()
+        return self.conn
 
 
 def _no_retry() -> Retry:

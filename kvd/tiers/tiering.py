@@ -409,7 +409,7 @@ class Tiering:
             worker.close(max(0.0, end - time.monotonic()))
         for tier in self.tiers.values():
             try:
-                tier.close()
+                tier.close(max(0.0, end - time.monotonic()))
             except Exception:
                 log.exception("closing a tier failed")
 

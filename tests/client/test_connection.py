@@ -196,6 +196,8 @@ def test_a_forked_child_fails_open_and_the_parent_goes_on(daemon):
                 c.request(m.Lookup(c.next_req(), [b"k"]))
             except Unavailable:
                 code = 0 if not c.send(m.Transfer(1, 1, m.Direction.LOAD, b"", b"")) else 4
+                if c.wait_up(30):  # at once, not after the timeout
+                    code = 6
             except BaseException:  # noqa: BLE001
                 code = 5
             os._exit(code)

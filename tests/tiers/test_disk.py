@@ -742,3 +742,38 @@ def test_a_journal_rewrite_that_fails_is_not_tried_at_every_put(tmp_path, monkey
     t.put(NS, blocks(ks("b", 2)))
     assert len(tries) == 2
     assert_hits(t, ks("a5-", 2))
+
+
+def test_only_a_data_write_that_fails_with_eio_sets_slots_aside(tmp_path, monkeypatch):
+    """A journal that fails with EIO while the evicted blocks' Drops are written (nothing
+    written to the new slots yet), and a short write of a filesystem that filled during
+    the call, set the batch's slots aside as bad sectors until a restart."""
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    t.clock = lambda: 0.0
+    held = SIZE // EXT * (EXT // (B + 4096))
+    assert t.put(NS, blocks(ks("a", held))) == held  # full: the next put evicts
+    real_append, real_write = t.journal.append, os.pwritev
+
+    def drops_fail(records):
+        if any(isinstance(r, disk_module.DiskDrop) for r in records):
+            raise OSError(errno.EIO, "journal I/O error")
+        real_append(records)
+
+    monkeypatch.setattr(t.journal, "append", drops_fail)
+    with pytest.raises(TierError):
+        t.put(NS, blocks(ks("b", 4)))
+    assert t.status()["bad_slots"] == 0
+    monkeypatch.setattr(t.journal, "append", real_append)
+    t.clock = lambda: 1e12  # past the cooldown
+
+    def short(fd, bufs, off):
+        return real_write(fd, bufs[:1], off)  # the first buffer fitted, then no room
+
+    monkeypatch.setattr(os, "pwritev", short)
+    with pytest.raises(TierError, match="short write"):
+        t.put(NS, blocks(ks("c", 4)))
+    assert t.status()["bad_slots"] == 0
+    monkeypatch.setattr(os, "pwritev", real_write)
+    t.clock = lambda: 2e12
+    assert t.put(NS, blocks(ks("d", 8))) == 8  # every slot serves again
+    t.close()

@@ -511,3 +511,46 @@ def test_tier_up_is_0_while_the_cluster_is_down_even_when_idle():
                 t.connect()
         now[0] += 60  # idle past the cooldown: half open, still down
         assert t.status()["state"] == "half_open" and up(t) == 0
+
+
+def test_the_round_trip_watchdog_never_cuts_a_connection_another_call_took(
+        redis_server, monkeypatch):
+    """The watchdog judged the connection "given back" by the pipeline's reference, which
+    redis-py clears only after releasing the connection to the pool: a timer firing in
+    between shut down the socket of the next call that took it (here: a thread switch
+    right after the release, longer than the round trip's budget)."""
+    t = RedisTier(redis_server.url, timeout_ms=300)
+    t.connect()
+    client = t._connected()
+    pool = client.connection_pool
+    real_release = type(pool).release
+    go, widen = threading.Event(), {"on": False}
+
+    def release(self, conn):
+        real_release(self, conn)
+        if widen["on"] and threading.current_thread().name == "tier-call":
+            widen["on"] = False
+            go.set()
+            time.sleep(0.6)  # past the watchdog's deadline, the connection in the pool
+
+    monkeypatch.setattr(type(pool), "release", release)
+    errors: list[Exception] = []
+
+    def other_call() -> None:
+        go.wait(5)
+        try:  # takes the connection; ends by its own socket timeout, unless cut first
+            client.execute_command("BLPOP", "kvd:nothing", 1)
+        except redis.exceptions.ConnectionError as e:  # shut down under it
+            errors.append(e)
+        except redis.exceptions.TimeoutError:
+            pass
+
+    other = threading.Thread(target=other_call)
+    other.start()
+    widen["on"] = True
+    call = threading.Thread(target=lambda: t.contains(b"ns", [b"k"]), name="tier-call")
+    call.start()
+    call.join()
+    other.join()
+    t.close()
+    assert go.is_set() and not errors, errors

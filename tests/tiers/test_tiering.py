@@ -136,3 +136,33 @@ def test_a_promotion_read_after_its_slots_expired_counts_no_hit(rig, tmp_path):
     loop.pump(lambda: c.promote_failed + c.disk_hit_blocks > 0)
     assert (c.disk_hit_blocks, c.promote_failed) == (0, 8)
     assert t.index.lookup(tenant, keys)[0] == 0
+
+
+def test_closing_is_bounded_in_all_by_its_timeout_with_a_disk_write_stuck(
+        rig, tmp_path, monkeypatch):
+    """A write stuck on a stalled disk: the writer's join took the timeout, then the disk
+    tier's own close waited as long again (20 s where a stop has 30 in all)."""
+    import os
+    import threading
+
+    t, _ = rig(disk_path=str(tmp_path), disk_size=16 << 20)
+    stuck, release = threading.Event(), threading.Event()
+
+    def pwritev(fd, bufs, off):
+        stuck.set()
+        release.wait(30)
+        raise OSError(5, "device gone")
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    disk = t.tiers["disk"]
+    t.writers["disk"].submit(lambda: disk.put(b"ns", [TierBlock(b"k", 0, np.zeros(
+        BLOCK, np.uint8))]), lambda res, err: None)
+    try:
+        assert stuck.wait(10)
+        closer = threading.Thread(target=t.close, kwargs={"timeout": 1.0})
+        t0 = time.monotonic()
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive() and time.monotonic() - t0 < 5
+    finally:
+        release.set()
