@@ -359,7 +359,12 @@ def _pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0) -> li
             results[i] = reply
     for i, reply in enumerate(results):
         if isinstance(reply, (AskError, TryAgainError)):  # MOVED is an AskError
-            results[i] = client.execute_command(*cmds[i])
+            try:
+                results[i] = client.execute_command(*cmds[i])
+            except ResponseError as e:  # one key's error (WRONGTYPE, OOM), as above
+                if isinstance(e, ClusterDownError):
+                    raise
+                results[i] = e
     return results
 
 
