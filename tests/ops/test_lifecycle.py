@@ -260,6 +260,18 @@ def test_a_start_that_fails_after_the_pool_exists_leaves_nothing_behind(daemon_f
     assert not os.path.exists(d.pool_path) and not os.path.exists(d.socket)
 
 
+def test_a_socket_or_pool_path_that_cannot_be_made_is_one_line_not_a_traceback(
+        daemon_factory, tmp_path):
+    plain = tmp_path / "a-file"
+    plain.write_text("")
+    for attr, path, said in (("socket", f"{plain}/kvd.sock", "socket's directory"),
+                             ("pool_path", f"{plain}/kvd.pool", "cannot open pool file")):
+        d = daemon_factory(start=False)
+        setattr(d, attr, path)
+        assert _run_to_exit(d) == 1
+        assert said in d.logs() and "Traceback" not in d.logs(), d.logs()
+
+
 def test_a_stopping_daemon_leaves_the_socket_of_the_daemon_that_replaced_it(
         daemon_factory):
     """A's socket file was removed (a tmpfiles clean-up, an operator) and B bound the

@@ -7,6 +7,7 @@ import json
 import socket
 import urllib.request
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -118,6 +119,24 @@ def test_registry_is_injected_and_survives_an_unanswering_loop():
     assert 'kvd_transfer_seconds_bucket{direction="load",le="0.0025",outcome="ok"} 1.0' in text
     empty = Metrics(lambda: ({}, float("inf")), CollectorRegistry())  # no document yet
     assert "kvd_status_age_seconds +Inf" in generate_latest(empty.registry).decode()
+
+
+def test_an_ipv6_endpoint_is_named_by_a_url_that_works():
+    """``metrics_addr = "::1"`` was reported as http://::1:PORT/metrics (no URL)."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    metrics = Metrics(lambda: ({}, 0.0), CollectorRegistry())
+    port = free_port()
+    address = metrics.serve("::1", port)
+    try:
+        assert address == f"http://[::1]:{port}/metrics"
+        with urllib.request.urlopen(address, timeout=10) as r:
+            assert b"kvd_status_age_seconds" in r.read()
+    finally:
+        metrics.close()
 
 
 def test_snapshot_falls_back_when_the_loop_does_not_run():
