@@ -219,7 +219,11 @@ class Persistence:
             self.finish_compaction()
         if self.journal is not None:
             self.journal.close()
-        if self._lock_fd is not None:
+        if self._lock_fd is not None:  # removed while held: see _lock
+            try:
+                os.unlink(self.path + ".lock")
+            except OSError:
+                pass
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -228,20 +232,31 @@ def _lock(path: str) -> int | None:
     """Hold ``<journal>.lock`` for the daemon's life: two daemons (with two pools) on
     one journal_path would restore each other's blocks, or drop their own. A lock that
     cannot be made (a read-only directory) is not a reason to stop: the journal's own
-    writes then fail, and the daemon serves without persistence."""
+    writes then fail, and the daemon serves without persistence. The holder removes
+    the file when it closes; so a lock is only taken on the file the path still names
+    (else another daemon may have locked a newer one)."""
     lock = path + ".lock"
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        log.warning("cannot create %s (%s): not locked", lock, e.strerror or e)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise ConfigError(f"journal_path {path} is in use by another kvd; give each "
-                              "daemon its own") from None
-        log.warning("cannot lock %s (%s)", lock, e.strerror or e)
-        return None
-    return fd
+    for _ in range(10):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            log.warning("cannot create %s (%s): not locked", lock, e.strerror or e)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = os.fstat(fd)
+            now = os.stat(lock)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ConfigError(f"journal_path {path} is in use by another kvd; give "
+                                  "each daemon its own") from None
+            if e.errno == errno.ENOENT:  # removed by its last holder meanwhile
+                continue
+            log.warning("cannot lock %s (%s)", lock, e.strerror or e)
+            return None
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            return fd
+        os.close(fd)  # a stale file: its holder removed it and another took its place
+    log.warning("cannot lock %s: it keeps being replaced", lock)
+    return None

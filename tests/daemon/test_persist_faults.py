@@ -121,4 +121,5 @@ def test_one_daemon_per_journal(tmp_path):
     with pytest.raises(ConfigError, match="in use by another kvd"):
         Persistence(path, H)
     p.close()
+    assert not os.path.exists(path + ".lock")  # a clean stop leaves no lock file
     Persistence(path, H).close()  # free again once the first is gone
