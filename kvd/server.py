@@ -69,8 +69,7 @@ class Server:
         take_start_signals()
         self.pinner: PoolPinner | None = None
         self.engines: dict[str, TransferEngine] = {}
-        self._bound = False  # the socket path is ours to remove
-        self._bound_inode = (0, 0)
+        self._bound: tuple[int, int] | None = None  # (device, inode) of the socket we bound
         self.loop_has_signals = False  # run() took SIGTERM/SIGINT over from start-up
         try:
             self._start(config)
@@ -133,7 +132,7 @@ class Server:
             steps.append(self.pinner.release)
         if sock is not None:
             steps.append(lambda: sock.close(linger=0))
-        if self._bound:
+        if self._bound is not None:
             steps.append(self._unlink_socket)
         if service is not None and service.persist is not None:
             steps.append(service.persist.close)
@@ -150,7 +149,7 @@ class Server:
         removed and another daemon bound it, that one's clients must still find it."""
         try:
             st = os.stat(self.config.socket)
-            if (st.st_dev, st.st_ino) == self._bound_inode:
+            if (st.st_dev, st.st_ino) == self._bound:
                 os.unlink(self.config.socket)
         except FileNotFoundError:
             pass
@@ -171,9 +170,8 @@ class Server:
             self.sock.bind(f"ipc://{path}")
         except zmq.ZMQError as e:
             raise ConfigError(f"cannot bind {path}: {e}") from None
-        self._bound = True
         st = os.stat(path)
-        self._bound_inode = (st.st_dev, st.st_ino)
+        self._bound = (st.st_dev, st.st_ino)
         os.chmod(path, self.config.socket_mode)
         if self.config.socket_group:
             import grp

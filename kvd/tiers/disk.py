@@ -236,7 +236,7 @@ class DiskTier(Tier):
 
     def _off(self) -> bool:
         """Whether the tier is off after a fault (under ``_lock``)."""
-        return self._off_until > 0 and self.clock() < self._off_until
+        return self.clock() < self._off_until
 
     def _append(self, records: Sequence[Any]) -> None:
         """Journal ``records`` (never under ``_lock``: the write may stall)."""
