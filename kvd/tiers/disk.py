@@ -22,7 +22,6 @@ no promotions that would be read in vain.
 from __future__ import annotations
 
 import errno
-import fcntl
 import functools
 import logging
 import os
@@ -37,15 +36,13 @@ import numpy as np
 from kvd.core.allocator import Allocator, AllocatorError
 from kvd.core.policies.base import DEFAULT_POLICY, make_policy
 from kvd.errors import BreakerOpen, ConfigError, TierError
-from kvd.journal import Journal
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
+from kvd.tiers.disk_files import open_files, reserve, sync_dir, undo_open
 from kvd.tiers.disk_journal import DiskDrop, DiskHeader, DiskPut, replay
 from kvd.tiers.vectored import PAGE, pad, vectored
 
 log = logging.getLogger("kvd.tiers.disk")
 
-DATA_FILE = "kvd-disk.slots"
-JOURNAL_FILE = "kvd-disk.journal"
 FAULT_COOLDOWN_S = 5.0  # after a failed read or write, the tier is off this long
 CLOSE_WAIT_S = 10.0  # how long close() waits for a write in flight (a stalled disk)
 COMPACT_RETRY_S = 30.0  # after a journal rewrite failed, the next try
@@ -127,27 +124,13 @@ class DiskTier(Tier):
         self.counts = dict.fromkeys(("written_blocks", "read_blocks", "evicted_blocks",
                                      "corrupt_blocks", "declined_blocks",
                                      "unreadable_blocks", "bad_slots"), 0)
-        data = os.path.join(path, DATA_FILE)
-        existed = os.path.exists(data), os.path.exists(os.path.join(path, JOURNAL_FILE))
+        opened = open_files(path, size)
+        self._fd, self.journal = opened.fd, opened.journal
         try:
-            os.makedirs(path, exist_ok=True)
-            self._fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise ConfigError(f"disk tier: cannot create {data}: {e}") from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one daemon per file
-            reused = os.fstat(self._fd).st_size == size
-            self.journal = Journal(os.path.join(path, JOURNAL_FILE))
-        except OSError as e:
-            os.close(self._fd)
-            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-            raise ConfigError(f"disk tier: {data} is in use by another process" if busy
-                              else f"disk tier: cannot open {data}: {e}") from None
-        try:
-            self.restored_blocks = self._restore(reused)
-            self._reserve()
+            self.restored_blocks = self._restore(opened.reused)
+            reserve(self._fd, size, path)
         except (ConfigError, OSError) as e:
-            self._undo_open(reused, existed)
+            undo_open(opened, path)
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"disk tier: cannot size or restore {path}: {e}") from None
@@ -156,34 +139,6 @@ class DiskTier(Tier):
         except OSError as e:  # serving beats a tidy journal: appends go on, or fail then
             log.error("disk tier %s: cannot rewrite its journal at start: %s", path, e)
             self._fault(e)
-
-    def _undo_open(self, reused: bool, existed: tuple[bool, bool]) -> None:
-        """A start that failed gives back what it took: a reservation that failed part
-        way keeps what it got (tens of GB on a nearly full disk), and files it made."""
-        if not reused:  # held nothing of value: _restore emptied it
-            try:
-                os.ftruncate(self._fd, 0)
-            except OSError:
-                pass
-        self.journal.close()
-        os.close(self._fd)
-        for made, name in zip(existed, (DATA_FILE, JOURNAL_FILE)):
-            if not made:
-                try:
-                    os.unlink(os.path.join(self.path, name))
-                except OSError:
-                    pass
-
-    def _reserve(self) -> None:
-        """Allocate the whole file now: a disk without room for it refuses the start,
-        not a write hours later. Filesystems without fallocate keep it sparse."""
-        try:
-            os.posix_fallocate(self._fd, 0, self.size)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                return
-            raise ConfigError(f"disk tier: cannot reserve {self.size} bytes in "
-                              f"{self.path}: {e.strerror}") from None
 
     # ------------------------------------------------------------ restart
     def _restore(self, reused: bool) -> int:
@@ -463,12 +418,8 @@ class DiskTier(Tier):
             backlog, self._backlog = self._backlog or [], None
             self.journal.swap_snapshot(backlog)
             self._records = len(snap) + len(backlog)
-        if self.sync:  # the rename survives a reboot
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        if self.sync:
+            sync_dir(self.path)
 
     def _check_open(self) -> None:
         if self._closed:

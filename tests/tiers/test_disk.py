@@ -22,9 +22,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvd.errors import BreakerOpen, ConfigError, KvdError, TierError
+from kvd.journal import Journal
 from kvd.tiers import disk as disk_module
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, TierBlock, make_tier
-from kvd.tiers.disk import DATA_FILE, FAULT_COOLDOWN_S, JOURNAL_FILE, DiskTier, extent_for
+from kvd.tiers.disk import FAULT_COOLDOWN_S, DiskTier, extent_for
+from kvd.tiers.disk_files import DATA_FILE, JOURNAL_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT = 1 << 20
@@ -331,7 +333,7 @@ def test_a_journal_that_cannot_be_rewritten_at_start_does_not_stop_the_start(
     def full(self, records):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_module.Journal, "write_snapshot", full)
+    monkeypatch.setattr(Journal, "write_snapshot", full)
     t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)  # restored, not refused
     st = t.status()
     assert st["restored_blocks"] == 3 and "No space" in st["last_error"]
@@ -379,7 +381,8 @@ def test_blocks_survive_a_kill_9_without_close(tmp_path):
     code = (
         "import os\n"
         "from pathlib import Path\n"
-        "from kvd.tiers.disk import DiskTier, DATA_FILE\n"
+        "from kvd.tiers.disk import DiskTier\n"
+        "from kvd.tiers.disk_files import DATA_FILE\n"
         "from tests.tiers.test_disk import *\n"
         f"d = Path({str(tmp_path)!r})\n"
         "t = DiskTier(str(d), SIZE, extent_size=EXT)\n"
