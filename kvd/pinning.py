@@ -60,6 +60,7 @@ class PoolPinner:
         self._thread: threading.Thread | None = None
         self._ctx = 0
         self._finished = threading.Event()
+        self._cancel = threading.Event()  # release() came: no more chunks
 
     def start(self) -> None:
         """Begin registering on a background thread (no-op when already started)."""
@@ -105,6 +106,9 @@ class PoolPinner:
                 self._end("failed", f"cannot set up CUDA for pinning: {e}")
                 return
             for ptr, n in self._chunks:
+                if self._cancel.is_set():  # a stop: the rest would only be unregistered
+                    log.info("pool pinning stopped by the daemon's stop")
+                    return
                 try:
                     api.host_register(ptr, n)
                 except Exception as e:  # noqa: BLE001 - serve unpinned, say why
@@ -146,10 +150,14 @@ class PoolPinner:
                 "error": self._error,
             }
 
-    def release(self, timeout: float = 120.0) -> None:
-        """Unregister every registered chunk (waits for a running registration first)."""
-        if self._thread is not None:
-            self._finished.wait(timeout)
+    def release(self, timeout: float = 10.0) -> None:
+        """Unregister every registered chunk. A registration still running stops after
+        its chunk (a 64 GiB chunk takes seconds); one that does not end within
+        ``timeout`` keeps everything registered: the process's exit releases it."""
+        self._cancel.set()
+        if self._thread is not None and not self._finished.wait(timeout):
+            log.warning("pool pinning did not stop within %.0fs; left to the exit", timeout)
+            return
         with self._lock:
             done, self._done = self._done, []
             self._pinned_end = self.base

@@ -124,10 +124,13 @@ class Pool:
                     os.strerror(ctypes.get_errno()))
         return False
 
-    def close(self, unlink: bool | None = None) -> None:
+    def close(self, unlink: bool | None = None, mapping: bool = True) -> None:
+        """Unmap (without ``mapping``: left to the process's exit, for copies that may
+        still run into it), then remove the file unless it is kept."""
         self.array = None  # type: ignore[assignment]
         try:
-            self._mm.close()
+            if mapping:
+                self._mm.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
         if unlink is None:

@@ -367,9 +367,14 @@ class Server:
             if self.kv_events.publisher.replay_fd is not None:
                 self.loop.remove_reader(self.kv_events.publisher.replay_fd)
             self.kv_events.close(clear=self.service.persist is None)
-        for engine in self.engines.values():
-            engine.close()
-        if self.pinner is not None:
+        # Copies still running after the engines' wait keep the pool pinned and mapped
+        # (the exit ends them; unregistering or unmapping memory under a DMA would not).
+        settled = True
+        for engine in self.engines.values():  # each closes, settled or not
+            settled = engine.close() and settled
+        if not settled:
+            log.error("copies still in flight at the stop: the pool stays mapped until exit")
+        elif self.pinner is not None:
             self.pinner.release()
         for fd in self._pidfds.values():
             self.loop.remove_reader(fd)
@@ -387,7 +392,10 @@ class Server:
         # read the pool, so it closes last.
         if self.service.tiering is not None:
             self.service.tiering.close()
-        self.pool.close()  # kept when persistence is on
+        if settled:
+            self.pool.close()  # kept when persistence is on
+        else:
+            self.pool.close(mapping=False)
         self.ctx.destroy(linger=0)  # waits for the socket's linger; ZeroMQ's threads end
 
 

@@ -83,6 +83,7 @@ def late(job: CopyJob, now: float | None = None) -> TransferError | None:
                          "could give it up; not committed", Code.EXPIRED)
 
 
+STOP_S = 5.0  # how long close() waits for copies in flight, by default
 # on_done(job, error or None, seconds); called on an engine thread: must be thread-safe.
 DoneCallback = Callable[[CopyJob, "Exception | None", float], None]
 
@@ -90,7 +91,9 @@ DoneCallback = Callable[[CopyJob, "Exception | None", float], None]
 class TransferEngine(ABC):
     """Contract: ``submit`` returns at once; every submitted job completes exactly once
     through ``on_done`` (with an error when it failed or the engine closed); ``close``
-    waits for in-flight copies and completes queued ones with an error.
+    completes queued jobs with an error and waits (``timeout`` in all) for copies in
+    flight: False when some may still run, and the pool must then stay mapped (and
+    pinned) until the process exits.
 
     Deadlines: an engine checks ``expired(job)`` right before it starts each copy (each
     system call, each enqueue on a stream, each chunk of a split job) and ends the job
@@ -117,7 +120,7 @@ class TransferEngine(ABC):
     def submit(self, job: CopyJob) -> None: ...
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self, timeout: float = STOP_S) -> bool: ...
 
 
 def checksums(pool: np.ndarray, offsets: np.ndarray, length: int) -> list[int]:

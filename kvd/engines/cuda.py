@@ -41,18 +41,32 @@ import numpy as np
 
 from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_after, expired,
                               late, verify_then)
-from kvd.engines.cuda_device import COPYING, FINISHED, QUEUED, Lane, Watchdog, Work
+from kvd.engines.cuda_device import (COPYING, FINISHED, QUEUED, Lane, Unsettled, Watchdog,
+                                     Work, is_sticky)
 from kvd.engines.cuda_handles import (  # noqa: F401 - refuse_...: the service's import
     Client, Device, Handles, format_uuid, refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner
-from kvd_client.cudart import ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES, CudaApi
+from kvd_client.cudart import (ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES, CudaApi,
+                               CudaError)
 from kvd_client.runs import coalesce
 from kvd_proto.messages import Code, Direction, Register
 
 log = logging.getLogger("kvd.engines.cuda")
 MAX_EVENTS = 4096  # event-ring entries one client may register
-STOP_SECONDS = 30.0  # how long close() waits for copies in flight
+# How long close() waits for copies still in flight, all steps together: the stop has
+# already waited stop_timeout_ms for transfers, and systemd's TimeoutStopSec is 30 s.
+STOP_SECONDS = 5.0
+# The longest a job waits for its worker's event, whatever its deadline: a load lane is
+# shared by the GPU's clients, and a worker's forward pass ends within seconds.
+EVENT_WAIT_MAX_S = 10.0
+# cudaIpcOpen* failures the usual advice (namespaces, cudaMalloc) does not fit.
+OPEN_ADVICE = {
+    2: (("the daemon's GPU context has no room to map it (cudaErrorMemoryAllocation: "
+         "device memory or BAR1 space); retried at the next registration"), Code.NO_SPACE),
+    217: (("peer access between the daemon's context and that memory is not supported "
+           "(cudaErrorPeerAccessUnsupported)"), Code.PERMISSION),
+}
 # Polling a worker's event: the first look again after POLL_FIRST_S, doubling up to
 # POLL_MAX_S (a forward pass ends within milliseconds; a stalled one costs ~1k looks/s).
 POLL_FIRST_S = 50e-6
@@ -85,6 +99,7 @@ class CudaEngine(TransferEngine):
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a copy completes
         self._closed = False
+        self._settled = True  # close() saw every copy complete
         self._uuids: dict[bytes, int] | None = None
         self._devices: dict[bytes, Device] = {}
         self._clients: dict[int, Client] = {}
@@ -149,20 +164,26 @@ class CudaEngine(TransferEngine):
                 raise
             except Exception as e:
                 raise TransferError(f"cannot use the client's GPU: {e}") from e
-            self.api.set_current_context(dev.ctx)  # this thread opens the handles
+            if dev.lost:
+                raise self._lost_error(dev)
             c = Client(pid, dev, [], [], [])
             try:
+                self.api.set_current_context(dev.ctx)  # this thread opens the handles
                 self._handles.open(c, regions, reg.cuda_event_handles)
                 c.lane = Lane(self.api, dev.ctx, f"store-{client}", self._start, self._end)
             except Exception as e:
                 self._release(c)
                 if isinstance(e, RequestError):
                     raise
-                raise TransferError(
-                    f"cannot open the CUDA IPC handles of pid {pid}: {e}. Legacy CUDA IPC "
-                    "needs the daemon and the engine in one PID namespace on one node, and "
-                    "memory from cudaMalloc (not expandable segments or cuMemCreate)",
-                    Code.PERMISSION) from e
+                if is_sticky(e):
+                    self._lose(dev, e)
+                    raise self._lost_error(dev) from e
+                advice, code = OPEN_ADVICE.get(e.code if isinstance(e, CudaError) else 0, ((
+                    "Legacy CUDA IPC needs the daemon and the engine in one PID namespace on "
+                    "one node, and memory from cudaMalloc (not expandable segments or "
+                    "cuMemCreate)"), Code.PERMISSION))
+                raise TransferError(f"cannot open the CUDA IPC handles of pid {pid}: {e}. "
+                                    f"{advice}", code) from e
             self._clients[client] = c
             base = {h: self._handles.base(c, h) for (_, h) in c.mem_keys}
         return [base[r.ipc_handle] + r.offset for r in regions]
@@ -225,11 +246,29 @@ class CudaEngine(TransferEngine):
         self._gone.discard(c)
         self._handles.release(c)
 
+    def _lose(self, dev: Device, error: Exception) -> None:
+        """A sticky error (or copies that could not be waited for): the GPU's context is
+        done for. Its clients' jobs fail at once from now on and new ones are refused,
+        until kvd restarts (a new process gets a new context)."""
+        with self._lock:
+            if dev.lost:
+                return
+            dev.lost = str(error)
+        log.error("GPU %s: its CUDA context is unusable (%s): copies with it fail until kvd "
+                  "restarts (systemctl restart kvd; the other GPUs and host clients go on)",
+                  format_uuid(dev.uuid), error)
+
+    def _lost_error(self, dev: Device) -> TransferError:
+        return TransferError(f"the daemon's CUDA context on GPU {format_uuid(dev.uuid)} is "
+                             f"unusable ({dev.lost}); restart kvd", Code.TRANSFER_FAILED)
+
     def stats(self) -> dict[str, int]:
         """For the status document: what is open on the GPUs (a dead client's handles
         close once its copies drained; ``retiring`` counts lanes still draining)."""
         with self._lock:
-            return {"gpus": len(self._devices), "clients": len(self._clients),
+            return {"gpus": len(self._devices),
+                    "lost_gpus": sum(bool(d.lost) for d in self._devices.values()),
+                    "clients": len(self._clients),
                     "gone_clients": len(self._gone), "retiring": len(self._retiring),
                     "ipc_memory": len(self._handles.mem),
                     "ipc_events": len(self._handles.events)}
@@ -242,11 +281,15 @@ class CudaEngine(TransferEngine):
             if self._closed or c is None:
                 err = TransferError("daemon is stopping", Code.ABORTED) if self._closed \
                     else TransferError(f"client {job.client} is not attached", Code.CLIENT_GONE)
-            elif job.cuda_event >= len(c.events):
+            elif not -1 <= job.cuda_event < len(c.events):
                 err = RequestError(f"CUDA event {job.cuda_event} is not in the client's ring "
                                    f"of {len(c.events)}", Code.BAD_REQUEST)
+            elif c.device.lost:
+                err = self._lost_error(c.device)
             else:
                 err = expired(job) or self._unpinned(job)
+                if job.cuda_event >= 0:  # see EVENT_WAIT_MAX_S
+                    job.deadline = min(job.deadline, time.monotonic() + EVENT_WAIT_MAX_S)
             if err is None:
                 assert c is not None and c.lane is not None and c.device.loads is not None
                 work = Work(job, c)
@@ -274,9 +317,12 @@ class CudaEngine(TransferEngine):
         store = job.direction == Direction.STORE
         if work.state != QUEUED:
             return None  # failed while queued (deadline, detach, close)
+        c = work.client
+        assert isinstance(c, Client)
         claimed = False
         try:
-            err = None if store else verify_then(job, self.pool)
+            err = self._lost_error(c.device) if c.device.lost else None
+            err = err or (None if store else verify_then(job, self.pool))
             err = err or self._await_worker(work)
             if not store:  # a load's bytes cannot be taken back: no backlog ahead of it
                 lane.wait_room(LOAD_DEPTH, job.deadline)
@@ -297,13 +343,8 @@ class CudaEngine(TransferEngine):
             if not claimed:
                 self._fail(work, e)  # nothing if somebody else ended it meanwhile
                 return None
-            # Part of the copies may be on the stream already: no Done before they ran
-            # (a load's client would reuse its blocks under them).
-            try:
-                lane.synchronize()
-            except Exception as sync_error:  # noqa: BLE001 - a sticky error: nothing runs
-                log.warning("CUDA: synchronising after a failed enqueue: %s", sync_error)
-            self._end(work, e)
+            # Part of the copies may be on the streams already: no Done before they ran.
+            self._end(work, lane.settle(e))
             return None
 
     def _await_worker(self, work: Work) -> Exception | None:
@@ -368,9 +409,13 @@ class CudaEngine(TransferEngine):
                     checksum_after(job, self.pool)  # from the host copy, off the submit thread
                 except Exception as e:  # noqa: BLE001
                     err = e
+        unsettled = isinstance(err, Unsettled)
+        if unsettled or is_sticky(err):
+            self._lose(c.device, err)  # type: ignore[arg-type]
         with self._lock:
             work.state = FINISHED
-            c.copying -= 1
+            if not unsettled:  # else its copies may still run: its handles stay open
+                c.copying -= 1
             self._idle.notify_all()
         self._report(work, err)
         self._maybe_release(c)
@@ -385,11 +430,19 @@ class CudaEngine(TransferEngine):
         self.on_done(work.job, err, time.perf_counter() - work.started)
 
     # ------------------------------------------------------------ shutdown
-    def close(self) -> None:
-        """Stop taking jobs, fail queued ones, wait for copies in flight, close handles."""
+    def close(self, timeout: float = STOP_SECONDS) -> bool:
+        """Stop taking jobs, fail queued ones, wait (``timeout`` in all) for copies in
+        flight, close handles. False when copies may still run: then the contexts are
+        kept, and the caller must keep the pool pinned and mapped (the process's exit
+        ends the copies; unregistering or unmapping memory under them would not)."""
+        end = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, end - time.monotonic())
+
         with self._lock:
             if self._closed:
-                return
+                return self._settled
             self._closed = True
             clients = [*self._clients.values(), *self._gone]
             self._clients.clear()
@@ -401,26 +454,29 @@ class CudaEngine(TransferEngine):
             self._report(w, TransferError("daemon is stopping", Code.ABORTED))
         self._watchdog.stop()
         with self._idle:
-            drained = self._idle.wait_for(lambda: not any(c.copying for c in clients),
-                                          STOP_SECONDS)
+            drained = self._idle.wait_for(lambda: not any(c.copying for c in clients), left())
         for c in clients:
             if c.copying:
                 log.warning("GPU %s: copies of pid %d did not complete before the daemon "
                             "stopped; its handles stay open", format_uuid(c.device.uuid), c.pid)
             else:
-                self._maybe_release(c, wait=STOP_SECONDS)
+                self._maybe_release(c, wait=left())
         with self._lock:
             retiring = list(self._retiring)
         for lane in retiring:  # they release their handles before the contexts go
             for t in lane.threads:
-                t.join(STOP_SECONDS)
+                t.join(left())
         for dev in self._devices.values():
-            if drained and dev.loads is not None and dev.loads.stop(STOP_SECONDS):
+            if not drained:  # copies may still run in it: the process's exit ends them
+                continue
+            if dev.loads is not None and dev.loads.stop(left()):
                 self._log_errors(dev, dev.loads.destroy())
             try:
                 self.api.release_primary_context(dev.ordinal)
             except Exception as e:  # noqa: BLE001 - shutting down: log and go on
                 self._log_errors(dev, [e])
+        self._settled = drained
+        return drained
 
     def _log_errors(self, dev: Device, errors: list[Exception]) -> None:
         for e in errors:
@@ -447,8 +503,8 @@ class ClientCopyEngine(TransferEngine):
         checksum_after(job, self.pool)
         self.on_done(job, None, 0.0)
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout: float = 0.0) -> bool:
+        return True  # it copies nothing
 
 
 def gpu_path(on_done: DoneCallback, api: CudaApi, pool: np.ndarray, *,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.engines.base import CopyJob
-from kvd_client.cudart import CudaApi, copy_runs
+from kvd_client.cudart import CudaApi, CudaError, copy_runs
 
 QUEUED, COPYING, FINISHED = 0, 1, 2
 # Streams a lane splits a job's copies over: the copy engines then overlap the per-copy
@@ -34,6 +34,18 @@ QUEUED, COPYING, FINISHED = 0, 1, 2
 # copies: 42 GB/s on one stream, 44-49 on two, 48-50 on four; 256 KiB: 50 -> 53.
 COPY_STREAMS = 4
 SPLIT_MIN_RUNS = 32  # fewer runs per stream gain nothing over the extra calls
+# CUDA's sticky errors: after one, the context runs nothing again (every later call
+# fails the same way) until the process ends.
+STICKY_CODES = frozenset({214, 220, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719})
+
+
+def is_sticky(error: BaseException | None) -> bool:
+    return isinstance(error, CudaError) and error.code in STICKY_CODES
+
+
+class Unsettled(Exception):
+    """A failed wait for a job's copies, after which the lane's streams could not be
+    waited for either, with an error that is not sticky: the copies may still run."""
 
 
 @dataclass(eq=False)
@@ -115,6 +127,19 @@ class Lane:
         if errors:
             raise errors[0]
 
+    def settle(self, error: Exception) -> Exception:
+        """After ``error`` (an enqueue or a wait that failed), wait for what the streams
+        hold: a Done must not leave before its copies ran (a load's client would reuse
+        its blocks under them; a store's slot would be handed out again). The error to
+        report: ``error``, the sticky one that ended the context, or ``Unsettled``."""
+        try:
+            self.synchronize()
+        except Exception as e:  # noqa: BLE001 - sorted below
+            if is_sticky(e):
+                return e if not is_sticky(error) else error  # nothing runs any more
+            return Unsettled(f"{error}; and waiting for the lane's streams: {e}")
+        return error
+
     def done_event(self) -> int:
         """A completion event for the copies just enqueued (submit thread only)."""
         return self._free.pop() if self._free else self.api.event_create(blocking=True)
@@ -138,11 +163,11 @@ class Lane:
                 self.api.event_synchronize(ev)  # blocks, in stream order
                 self._free.append(ev)
             except Exception as e:  # noqa: BLE001 - the copy failed on the device
-                err = e
                 try:
                     self.api.event_destroy(ev)  # not reused after a failure
                 except Exception:  # noqa: BLE001, S110 - a poisoned context: nothing to free
                     pass
+                err = self.settle(e)  # a failed wait proves nothing about the copies
             with self._cv:
                 self._outstanding -= 1
                 self._cv.notify_all()

@@ -81,6 +81,7 @@ class Device:
     uuid: bytes
     ctx: int
     loads: Lane | None = None
+    lost: str = ""  # why the context runs nothing any more (a sticky error), or ""
 
 
 class Handles:

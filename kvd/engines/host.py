@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_after, expired,
-                              late, verify_then)
+from kvd.engines.base import (STOP_S, CopyJob, DoneCallback, TransferEngine, checksum_after,
+                              expired, late, verify_then)
 from kvd_client.runs import coalesce
 from kvd.errors import TransferError
 from kvd_proto.messages import Code, Direction
@@ -204,13 +204,15 @@ class HostEngine(TransferEngine):
                             st.error = e
                 self.on_done(job, st.error, time.perf_counter() - st.started)
 
-    def close(self) -> None:
+    def close(self, timeout: float = STOP_S) -> bool:
         with self._lock:
             self._closed = True
         for _ in self._threads:
             self._q.put(None)
+        end = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout=30)
+            t.join(max(0.0, end - time.monotonic()))
+        settled = not any(t.is_alive() for t in self._threads)
         # Chunks a load's verification queued behind the stop markers never ran: their
         # jobs still get their one Done (nothing of them was copied).
         ended: set[int] = set()
@@ -223,3 +225,4 @@ class HostEngine(TransferEngine):
                 ended.add(id(chunk.state))
                 self.on_done(chunk.job, TransferError("daemon is stopping", Code.ABORTED),
                              time.perf_counter() - chunk.state.started)
+        return settled

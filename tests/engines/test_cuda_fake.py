@@ -139,14 +139,6 @@ class Rig:
         return self.fake.buffer(t.ptr)[block * t.stride:block * t.stride + t.page_bytes]
 
 
-@pytest.fixture
-def fake():
-    f = FakeCuda()
-    yield f
-    f.shutdown()
-    assert f.violations == []
-
-
 def copies_of(fake: FakeCuda, rig: Rig) -> list[tuple]:
     return [c for c in fake.of("memcpy_batch") if c[2] != rig.compute]
 
@@ -303,16 +295,16 @@ def test_handles_open_once_and_close_once_after_copies_drain(fake):
     rig.engine.attach(8, 4242, rig.reg)  # same pid registers again (second connection)
     assert len(fake.of("ipc_open_mem_handle")) == 1
     assert len(fake.of("ipc_open_event_handle")) == len(rig.ring)
-    assert rig.engine.stats() == {"gpus": 1, "clients": 2, "gone_clients": 0, "retiring": 0,
-                                  "ipc_memory": 1, "ipc_events": len(rig.ring)}
+    assert rig.engine.stats() == {"gpus": 1, "lost_gpus": 0, "clients": 2, "gone_clients": 0,
+                                  "retiring": 0, "ipc_memory": 1, "ipc_events": len(rig.ring)}
     rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], cuda_event=-1))
     assert rig.wait_done()
     rig.engine.detach(7)
     rig.engine.detach(8)
     assert fake.wait_for(lambda: fake.of("ipc_close_mem_handle"))  # as its lane ends
     assert fake.wait_for(lambda: rig.engine.stats()["retiring"] == 0)
-    assert rig.engine.stats() == {"gpus": 1, "clients": 0, "gone_clients": 0, "retiring": 0,
-                                  "ipc_memory": 0, "ipc_events": 0}
+    assert rig.engine.stats() == {"gpus": 1, "lost_gpus": 0, "clients": 0, "gone_clients": 0,
+                                  "retiring": 0, "ipc_memory": 0, "ipc_events": 0}
     assert len(fake.of("ipc_close_mem_handle")) == 1
     assert fake.names("on_done", "ipc_close_mem_handle") == ["on_done", "ipc_close_mem_handle"]
     imported = {c[3] for c in fake.of("ipc_open_event_handle")}

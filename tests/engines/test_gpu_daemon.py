@@ -101,7 +101,8 @@ def test_startup_check_accepts_this_node_and_names_the_versions(gpu_daemon):
     assert version_refusal(driver, runtime) is None
     print(f"driver CUDA {driver}, cuda-bindings {bindings.__version__} (runtime {runtime}), "
           f"torch {torch.__version__} (CUDA {torch.version.cuda})")
-    assert gpu_daemon.status()["cuda"] == {"gpus": 0, "clients": 0, "gone_clients": 0,
+    assert gpu_daemon.status()["cuda"] == {"gpus": 0, "lost_gpus": 0, "clients": 0,
+                                           "gone_clients": 0,
                                            "retiring": 0, "ipc_memory": 0, "ipc_events": 0}
 
 

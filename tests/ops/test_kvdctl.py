@@ -226,3 +226,14 @@ def test_entry_point_health_is_one_line_and_top_quits_on_ctrl_c(busy_daemon):
     p = subprocess.run([*KVDCTL, "--socket", busy_daemon.socket, "health"],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 3 and p.stdout.startswith("down: ")
+
+
+def test_health_is_unhealthy_while_a_gpu_context_is_lost_and_live_stays_ok():
+    st = {"phase": "serving", "pid": 1, "blocks": {"ready": 3}, "clients": [],
+          "pool": {"capacity_bytes": 1 << 20, "used_bytes": 0},
+          "cuda": {"gpus": 2, "lost_gpus": 0}}
+    assert ctl.health_of(st)[0]
+    st["cuda"]["lost_gpus"] = 1
+    ok, why = ctl.health_of(st)
+    assert not ok and "restart kvd" in why
+    assert ctl.health_of(st, live=True)[0]
