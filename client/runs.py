@@ -19,3 +19,18 @@ def coalesce(
         return pool, remote, lengths
     idx = np.flatnonzero(starts)
     return pool[idx], remote[idx], np.add.reduceat(lengths, idx)
+
+
+def split_long(
+    pool: np.ndarray, remote: np.ndarray, lengths: np.ndarray, limit: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut runs longer than ``limit`` bytes into pieces of ``limit`` (the last shorter):
+    a copy's deadline is checked per piece, so no single copy call is unbounded."""
+    if not len(lengths) or int(lengths.max()) <= limit:
+        return pool, remote, lengths
+    step = np.uint64(limit)
+    pieces = (lengths + step - np.uint64(1)) // step
+    idx = np.repeat(np.arange(len(lengths)), pieces.astype(np.int64))
+    first = np.cumsum(pieces) - pieces  # each run's first piece
+    off = (np.arange(len(idx), dtype=np.uint64) - np.repeat(first, pieces.astype(np.int64))) * step
+    return pool[idx] + off, remote[idx] + off, np.minimum(lengths[idx] - off, step)

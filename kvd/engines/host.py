@@ -21,7 +21,7 @@ import numpy as np
 
 from kvd.engines.base import (STOP_S, CopyJob, DoneCallback, TransferEngine, checksum_after,
                               expired, late, verify_then)
-from kvd_client.runs import coalesce
+from kvd_client.runs import coalesce, split_long
 from kvd.errors import TransferError
 from kvd_proto.messages import Code, Direction
 
@@ -130,7 +130,10 @@ class HostEngine(TransferEngine):
             t.start()
 
     def submit(self, job: CopyJob) -> None:
-        pool, remote, lengths = coalesce(job.pool, job.remote, job.lengths)
+        # Merged runs are cut again at CHUNK_BYTES: consecutive blocks in consecutive
+        # slots would otherwise make one copy call of any size, its deadline checked once.
+        pool, remote, lengths = split_long(*coalesce(job.pool, job.remote, job.lengths),
+                                           CHUNK_BYTES)
         job.pool, job.remote, job.lengths = pool, remote, lengths
         # Cut into chunks of about CHUNK_BYTES (never more than IOV_MAX segments).
         csum = np.cumsum(lengths)

@@ -7,6 +7,7 @@ memory that the daemon reads and writes with process_vm_readv/writev.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -283,3 +284,45 @@ def test_vm_copy_checks_the_deadline_before_each_system_call():
                    np.uint64(target.ctypes.data) + offsets, lengths,
                    time.monotonic() + 60) == n * 64
     assert (target == 7).all()
+
+
+def test_a_load_of_consecutive_blocks_checks_its_deadline_every_chunk(monkeypatch):
+    """Consecutive blocks into consecutive slots merge into one run (32 MiB here): the
+    engine still copies it in calls of at most CHUNK_BYTES, so a load whose deadline
+    passes part way (a starved copy thread) stops there, short of blocks its client
+    may already have given to another request."""
+    from kvd.engines import host
+
+    calls: list[int] = []
+    real = host._vm_writev
+
+    def slow_writev(pid, local, n, far, n_far, flags):  # a copy thread that gets no core
+        iov = np.ctypeslib.as_array(ctypes.cast(local, ctypes.POINTER(ctypes.c_uint64)),
+                                    (n, 2))
+        calls.append(int(iov[:, 1].sum()))
+        time.sleep(0.05)
+        return real(pid, local, n, far, n_far, flags)
+
+    monkeypatch.setattr(host, "_vm_writev", slow_writev)
+    done: list[Exception | None] = []
+    blocks, size = 16, 2 << 20
+    pool = np.full(blocks * size, 9, np.uint8)
+    dst = np.zeros(blocks * size, np.uint8)
+    engine = host.HostEngine(lambda job, err, s: done.append(err), threads=1)
+    try:
+        engine.submit(CopyJob(1, 1, 1, m.Direction.LOAD, os.getpid(),
+                              np.uint64(pool.ctypes.data) + np.arange(blocks, dtype=np.uint64)
+                              * np.uint64(size),
+                              np.uint64(dst.ctypes.data) + np.arange(blocks, dtype=np.uint64)
+                              * np.uint64(size),
+                              np.full(blocks, size, np.uint64), np.arange(blocks), -1,
+                              time.monotonic() + 0.12))
+        end = time.monotonic() + 10
+        while not done and time.monotonic() < end:
+            time.sleep(0.01)
+        assert done and done[0] is not None and done[0].code == m.Code.EXPIRED
+        assert max(calls) <= host.CHUNK_BYTES
+        assert 0 < int((dst == 9).sum()) < dst.size  # stopped part way: the rest untouched
+        assert not dst[-size:].any()
+    finally:
+        engine.close()
