@@ -38,6 +38,12 @@ from kvd_proto import messages as m
 log = logging.getLogger("kvd.server")
 TICK_S = 0.25
 STOP_LINGER_MS = 1000  # how long a stop waits for its last replies to leave
+# Per connection: replies and Dones queued for a client that does not read them (then it
+# is dropped: it registers again once it reads), and messages taken in ahead of the loop
+# (then its sends wait, and its own queue of 1,000 fills: calls fail at once there).
+SEND_HWM = 4096
+RECV_HWM = 1000
+DRAIN_BATCH = 256  # messages per turn of the loop: completions and timers run between
 # Plain ints: pyzmq's enum members cost an object per operation on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _MORE = _NOBLOCK | int(zmq.SNDMORE)
@@ -46,7 +52,8 @@ _MORE = _NOBLOCK | int(zmq.SNDMORE)
 def _reply(sock: zmq.Socket, identity: bytes, reply: m.Reply) -> None:
     """Two sends with int flags: a third of ``send_multipart``'s cost (its enum flags
     and checks are Python). Encoded first, so the identity frame never goes out alone;
-    a reply to a peer that is gone is dropped whole (the ROUTER is not mandatory)."""
+    a reply to a peer that is gone is dropped whole (EHOSTUNREACH); ``zmq.Again``: the
+    peer's queue is full (it does not read)."""
     data = m.encode(reply)
     sock.send(identity, _MORE)
     sock.send(data, _NOBLOCK)
@@ -115,8 +122,9 @@ class Server:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         # The hard cap drops the connection; below it, oversize gets a typed error.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises, not drops
         self._bind()
 
     def _undo_start(self) -> None:
@@ -237,15 +245,25 @@ class Server:
 
     # ------------------------------------------------------------ socket
     def _send(self, identity: bytes, reply: m.Reply) -> None:
-        try:
-            _reply(self.sock, identity, reply)
-        except zmq.ZMQError as e:
-            log.debug("reply to a vanished peer dropped: %s", e)
+        self._reply(identity, reply)
         self.loop.call_soon(self._drain)  # sending can swallow the FD's edge
 
+    def _reply(self, identity: bytes, reply: m.Reply) -> None:
+        try:
+            _reply(self.sock, identity, reply)
+        except zmq.Again:  # SEND_HWM replies wait for it: a client that does not read
+            self.service.client_gone(identity, f"does not read its replies ({SEND_HWM} "
+                                               "queued): dropped; it registers again")
+        except zmq.ZMQError as e:
+            log.debug("reply to a vanished peer dropped: %s", e)
+
     def _drain(self) -> None:
+        """Up to DRAIN_BATCH messages, then the rest at the loop's next turn: a client
+        that floods the socket must not hold up other clients' Dones and the timers."""
         sock = self.sock
-        while sock.get(_EVENTS) & _POLLIN:
+        for _ in range(DRAIN_BATCH):
+            if not sock.get(_EVENTS) & _POLLIN:
+                break
             try:
                 frames = sock.recv_multipart(flags=_NOBLOCK, copy=False)
             except zmq.Again:
@@ -257,10 +275,9 @@ class Server:
                 log.exception("internal error")
                 reply = self.service.error(0, m.Code.INTERNAL, f"internal error: {e}")
             if reply is not None:
-                try:
-                    _reply(sock, identity, reply)
-                except zmq.ZMQError:
-                    pass
+                self._reply(identity, reply)
+        else:  # the batch is full: more may wait (the FD signals no edge for them)
+            self.loop.call_soon(self._drain)
         try:
             self.service.idle()  # bookkeeping that need not delay the replies
         except Exception:  # noqa: BLE001

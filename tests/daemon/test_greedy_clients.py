@@ -1,0 +1,86 @@
+"""One client that floods the daemon, or never reads its replies, must not cost the other
+clients their service, nor the daemon its memory (a real daemon, raw ZeroMQ peers)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import zmq
+
+from kvd_proto import messages as m
+from tests.daemon.test_integration import allocate, keys, scheduler
+from tests.daemon.workers import Spec, Worker
+from tests.waiting import wait_for
+
+
+def raw_hello(path: str, ctx: zmq.Context) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{path}")
+    sock.send(m.encode(m.Hello(1, m.PROTOCOL_VERSION, os.getpid(), "greedy")))
+    assert sock.poll(10_000), "no HelloOk"
+    assert isinstance(m.decode_reply(sock.recv()), m.HelloOk)
+    return sock
+
+
+def _flood(path: str, seconds: float, ready) -> None:
+    """Pings as fast as blocking sends go (honouring the socket's HWM), never read."""
+    ctx = zmq.Context()
+    sock = raw_hello(path, ctx)
+    ping = m.encode(m.Ping(7))
+    ready.set()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(1000):
+            sock.send(ping)
+    ctx.destroy(linger=0)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_a_flooding_client_does_not_hold_up_another_clients_dones(daemon):
+    spec = Spec(daemon.socket)
+    sched, worker = scheduler(daemon, spec), Worker(spec)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    flooder = ctx.Process(target=_flood, args=(daemon.socket, 3.0, ready), daemon=True)
+    flooder.start()
+    try:
+        assert ready.wait(30)
+        time.sleep(0.5)  # a backlog builds up
+        t0 = time.monotonic()
+        _, code, *_ = worker.store(1, range(8), allocate(sched, keys(8)))
+        took = time.monotonic() - t0
+        assert code == 0
+        assert took < 2.0, f"the store's Done took {took:.1f}s behind the flood"
+    finally:
+        flooder.join(30)
+        worker.close()
+        sched.close()
+
+
+def test_a_client_that_never_reads_is_dropped_before_the_daemon_grows(daemon):
+    spec = Spec(daemon.socket)
+    ctx = zmq.Context()
+    sock = raw_hello(daemon.socket, ctx)
+    sock.setsockopt(zmq.SNDTIMEO, 2000)
+    stats = m.encode(m.Stats(2))  # a small request, a reply of a kilobyte or more
+    before = rss_mb(daemon.pid)
+    try:
+        for _ in range(100_000):  # 150 MB of replies, were they all kept
+            sock.send(stats)
+        assert wait_for(lambda: "does not read its replies" in daemon.logs(), 30)
+        assert rss_mb(daemon.pid) - before < 60
+    finally:
+        ctx.destroy(linger=0)
+    sched, worker = scheduler(daemon, spec), Worker(spec)  # the others are served
+    try:
+        assert worker.store(1, range(4), allocate(sched, keys(4)))[1] == 0
+    finally:
+        worker.close()
+        sched.close()
