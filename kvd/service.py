@@ -35,7 +35,7 @@ from kvd.status import Sources, status_document
 from kvd.tiers.tiering import TierCounters, Tiering
 from kvd.transfers import Client, Counters, Transfers, own_slots
 from kvd_proto import messages as m
-from kvd_proto.ids import pack_u32
+from kvd_proto.ids import pack_u32, unpack_u32
 
 log = logging.getLogger("kvd.service")
 # Sizes no engine comes near (see kvd.registration): a key is kept for its block's life.
@@ -348,7 +348,13 @@ class Service:
     def _release(self, client: Client, msg: m.Release) -> m.Reply:
         if self.index.lease_owner(msg.lease) not in (None, client.id):
             raise BadIds(f"lease {msg.lease} belongs to another client")
-        return m.Ok(msg.req, int(self.index.release(msg.lease)))
+        slots = None
+        if msg.slots:
+            try:
+                slots = unpack_u32(msg.slots).astype(np.int64)
+            except ValueError as e:
+                raise BadIds(str(e)) from None
+        return m.Ok(msg.req, int(self.index.release(msg.lease, slots=slots)))
 
     # ------------------------------------------------------------ housekeeping
     def idle(self) -> None:

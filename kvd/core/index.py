@@ -200,10 +200,19 @@ class Index:
             touch(list(map(slot_key, slots)), depth)
 
     # ------------------------------------------------------------ leases
-    def release(self, lease_id: int, owner: int | None = None) -> bool:
+    def release(self, lease_id: int, owner: int | None = None,
+                slots: np.ndarray | None = None) -> bool:
+        """Drop the lease, or only its ``slots`` (the rest stays leased)."""
         lease = self._leases.get(lease_id)
         if lease is None or (owner is not None and lease.owner != owner):
             return False
+        if slots is not None:
+            drop = np.isin(lease.slots, slots)
+            if not drop.all():
+                gone, lease.slots = lease.slots[drop], lease.slots[~drop]
+                self.unpin(gone, calls=0)  # the lease's one pin call stays open
+                self._count(self.leased_by, lease.owner, -len(gone))
+                return True
         del self._leases[lease_id]
         self.unpin(lease.slots)
         self._count(self.leased_by, lease.owner, -len(lease.slots))
@@ -225,9 +234,9 @@ class Index:
         self._add_pins(slots, 1)
         self._pin_calls += 1
 
-    def unpin(self, slots: np.ndarray) -> None:
+    def unpin(self, slots: np.ndarray, calls: int = 1) -> None:
         self._add_pins(slots, -1)
-        self._pin_calls -= 1
+        self._pin_calls -= calls
         if self._doomed:  # a set: a slot repeated in ``slots`` is freed once
             for s in {s for s in slots.tolist() if s in self._doomed}:
                 if self.pins[s] == 0:

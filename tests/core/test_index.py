@@ -44,6 +44,17 @@ def test_lookup_counts_the_leading_ready_run_and_leases_it():
     assert ix.lookup(t, [k(9), k(0)])[0] == 0  # a hole ends the run
 
 
+def test_a_lease_can_be_released_in_part():
+    ix, t, _ = make_index()
+    store(ix, t, [k(i) for i in range(4)])
+    _, slots, lease, _ = ix.lookup(t, [k(i) for i in range(4)], lease_s=10.0, owner=3)
+    assert ix.release(lease, slots=slots[:2])
+    assert ix.pins[slots].tolist() == [0, 0, 1, 1] and ix.leased_by[3] == 2
+    assert not ix.leased(lease, slots[:1]) and ix.leased(lease, slots[2:])
+    assert ix.release(lease, slots=slots[2:])  # the rest: the lease is gone
+    assert ix.pinned_blocks == 0 and ix.leases == 0 and not ix.leased_by.get(3)
+
+
 def test_tenants_do_not_share_keys():
     ix, t, tenants = make_index()
     other = tenants.get_or_create("o", model="m2", tp_size=1, rank_page_bytes=(BLOCK,))
@@ -102,7 +113,8 @@ def test_a_slot_in_use_by_a_copy_is_freed_only_after_it():
 @given(
     policy=st.sampled_from(policy_names()),
     ops=st.lists(
-        st.tuples(st.sampled_from(["alloc", "done", "lookup", "release", "abort", "expire"]),
+        st.tuples(st.sampled_from(["alloc", "done", "lookup", "release", "part", "abort",
+                                   "expire"]),
                   st.lists(st.integers(0, 40), min_size=1, max_size=6)),
         max_size=80),
 )
@@ -133,6 +145,9 @@ def test_invariants_under_random_operations(policy, ops):
                 leases.append(lease)
         elif op == "release" and leases:
             ix.release(leases.pop())
+        elif op == "part" and leases and leases[-1] in ix._leases:
+            held = ix._leases[leases[-1]].slots
+            ix.release(leases[-1], slots=held[:len(ids) % (len(held) + 1)])
         elif op == "abort" and pending:
             ix.abort(np.array(pending[:1]))
             pending = pending[1:]
@@ -147,7 +162,7 @@ def test_invariants_under_random_operations(policy, ops):
     ix.evict_tenant(None)
     assert ix.pinned_blocks == 0 and ix.pending_blocks == 0
     assert ix.allocator.used_slots == 0 and ix.allocator.used_bytes == 0
-    assert not ix.entries and len(ix.policy) == 0
+    assert not ix.entries and len(ix.policy) == 0 and ix._pin_calls == 0
 
 
 def test_a_repeated_key_in_one_allocate_gets_one_slot():

@@ -234,3 +234,9 @@ def test_transfers_released_by_their_allocate_each_get_one_done_despite_a_bug(se
     assert service.transfers.tickets.parked == 1
     service.transfers.expire(now=float("inf"))
     assert [(d.event, d.code) for d in pushed] == [(1, m.Code.INTERNAL), (2, m.Code.BAD_IDS)]
+
+
+def test_a_release_of_malformed_slot_ids_is_refused(service):
+    peer, _mem = registered(service, b"w", seed=3)
+    reply = service.handle(b"w", peer, m.Release(3, 1, b"\x01\x02\x03"))
+    assert isinstance(reply, m.Error) and reply.code == m.Code.BAD_IDS
