@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import resource
 import sys
 
 from kvd import __version__
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvd: {e}", file=sys.stderr)
         return 2
     setup_logging(config.log_level)
+    raise_fd_limit()
     try:
         import uvloop
 
@@ -75,6 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def raise_fd_limit() -> None:
+    """Each client connection is a descriptor, and ZeroMQ aborts the process when an
+    accept fails for want of one (EMFILE): take the hard limit, not a shell's 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as e:
+        logging.getLogger("kvd").warning("cannot raise the descriptor limit from %d: %s",
+                                         soft, e)
 
 
 async def _serve(config, origins, reload_config) -> None:

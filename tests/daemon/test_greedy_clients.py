@@ -84,3 +84,20 @@ def test_a_client_that_never_reads_is_dropped_before_the_daemon_grows(daemon):
     finally:
         worker.close()
         sched.close()
+
+
+def test_the_daemon_takes_the_hard_descriptor_limit(daemon_factory):
+    """ZeroMQ aborts the process when an accept finds no descriptor left: a shell's soft
+    limit (1,024) would let 1,000 idle connections kill the daemon."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(256, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # inherited by the daemon
+    try:
+        d = daemon_factory()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with open(f"/proc/{d.pid}/limits") as f:
+        row = next(line for line in f if line.startswith("Max open files")).split()
+    assert int(row[3]) == min(hard, 1 << 20) > low
