@@ -12,9 +12,9 @@ import ctypes
 import errno
 import math
 import os
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +95,57 @@ def _os_error(err: int, pid: int) -> TransferError:
     return TransferError(f"copy with pid {pid} failed: {os.strerror(err)}", Code.TRANSFER_FAILED)
 
 
+class FairQueue:
+    """Chunks by client, served round-robin (FIFO within a client): one client's large
+    transfer takes turns with the other clients' jobs instead of holding every copy
+    thread until it is through, past their deadlines."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._by: dict[int, deque[_Chunk]] = {}
+        self._turns: deque[int] = deque()  # clients with chunks waiting, in serving order
+        self._stopped = False
+
+    def put(self, key: int, chunks: list[_Chunk]) -> None:
+        with self._cv:
+            q = self._by.get(key)
+            if q is None:
+                q = self._by[key] = deque()
+                self._turns.append(key)
+            q.extend(chunks)
+            self._cv.notify(len(chunks))
+
+    def get(self) -> _Chunk | None:
+        """The next client's next chunk; None once stopped and empty."""
+        with self._cv:
+            while not self._turns:
+                if self._stopped:
+                    return None
+                self._cv.wait()
+            key = self._turns.popleft()
+            q = self._by[key]
+            chunk = q.popleft()
+            if q:
+                self._turns.append(key)
+            else:
+                del self._by[key]
+            return chunk
+
+    def stop(self) -> None:
+        """No more waiting: threads take what is queued, then end."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    def left(self) -> list[_Chunk]:
+        """Take what no thread took (after ``stop``)."""
+        with self._cv:
+            out = [c for q in self._by.values() for c in q]
+            self._by.clear()
+            self._turns.clear()
+            return out
+
+
 @dataclass(eq=False)
 class _Chunk:
     job: CopyJob
@@ -119,7 +170,7 @@ class HostEngine(TransferEngine):
         super().__init__(on_done)
         self.pool = pool  # the daemon's pool mapping, for checksums
         self.nice = nice
-        self._q: queue.SimpleQueue[_Chunk | None] = queue.SimpleQueue()
+        self._q = FairQueue()
         self._lock = threading.Lock()
         self._closed = False
         self._threads = [
@@ -157,8 +208,7 @@ class HostEngine(TransferEngine):
             if self._closed:
                 self.on_done(job, TransferError("daemon is stopping", Code.ABORTED), 0.0)
                 return
-            for lo, hi in bounds:
-                self._q.put(_Chunk(job, lo, hi, state))
+            self._q.put(job.client, [_Chunk(job, lo, hi, state) for lo, hi in bounds])
 
     def _run(self) -> None:
         if self.nice:
@@ -183,8 +233,7 @@ class HostEngine(TransferEngine):
                 if err is None and st.bounds:
                     with self._lock:
                         st.remaining += len(st.bounds)
-                    for lo, hi in st.bounds:
-                        self._q.put(_Chunk(job, lo, hi, st))
+                    self._q.put(job.client, [_Chunk(job, lo, hi, st) for lo, hi in st.bounds])
             elif err is None and chunk.hi > chunk.lo:
                 try:
                     vm_copy(job.direction, job.pid, job.pool[chunk.lo:chunk.hi],
@@ -210,21 +259,16 @@ class HostEngine(TransferEngine):
     def close(self, timeout: float = STOP_S) -> bool:
         with self._lock:
             self._closed = True
-        for _ in self._threads:
-            self._q.put(None)
+        self._q.stop()  # threads take what is queued (overdue chunks end at once), then end
         end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
         settled = not any(t.is_alive() for t in self._threads)
-        # Chunks a load's verification queued behind the stop markers never ran: their
-        # jobs still get their one Done (nothing of them was copied).
+        # Chunks no thread took in time: their jobs still get their one Done (a job with
+        # a chunk on a thread still copying is ended by that thread instead).
         ended: set[int] = set()
-        while True:
-            try:
-                chunk = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if chunk is not None and id(chunk.state) not in ended:
+        for chunk in self._q.left():
+            if id(chunk.state) not in ended:
                 ended.add(id(chunk.state))
                 self.on_done(chunk.job, TransferError("daemon is stopping", Code.ABORTED),
                              time.perf_counter() - chunk.state.started)

@@ -101,3 +101,41 @@ def test_the_daemon_takes_the_hard_descriptor_limit(daemon_factory):
     with open(f"/proc/{d.pid}/limits") as f:
         row = next(line for line in f if line.startswith("Max open files")).split()
     assert int(row[3]) == min(hard, 1 << 20) > low
+
+
+def test_copy_threads_take_turns_between_clients(monkeypatch):
+    """A client's large load (64 chunks here) does not hold the copy threads until it is
+    through: another client's small load, sent after it, ends long before it."""
+    import numpy as np
+
+    from kvd.engines import host
+    from kvd.engines.base import CopyJob
+
+    monkeypatch.setattr(host, "CHUNK_BYTES", 64 << 10)
+    real = host._vm_writev
+
+    def slow_writev(*args):  # each chunk takes a while (a busy machine)
+        time.sleep(0.01)
+        return real(*args)
+
+    monkeypatch.setattr(host, "_vm_writev", slow_writev)
+    order: list[int] = []
+    engine = host.HostEngine(lambda job, err, s: order.append(job.client), threads=1)
+    big_src, big_dst = np.ones(4 << 20, np.uint8), np.zeros(4 << 20, np.uint8)
+    small_src, small_dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+
+    def load(client: int, src: np.ndarray, dst: np.ndarray) -> CopyJob:
+        return CopyJob(client, client, client, m.Direction.LOAD, os.getpid(),
+                       np.array([src.ctypes.data], np.uint64),
+                       np.array([dst.ctypes.data], np.uint64),
+                       np.array([src.size], np.uint64), np.arange(1), -1,
+                       time.monotonic() + 30)
+
+    try:
+        engine.submit(load(1, big_src, big_dst))
+        engine.submit(load(2, small_src, small_dst))
+        assert wait_for(lambda: len(order) == 2, 30)
+        assert order == [2, 1]
+        assert big_dst.all() and small_dst.all()
+    finally:
+        engine.close()

@@ -240,3 +240,12 @@ def test_a_release_of_malformed_slot_ids_is_refused(service):
     peer, _mem = registered(service, b"w", seed=3)
     reply = service.handle(b"w", peer, m.Release(3, 1, b"\x01\x02\x03"))
     assert isinstance(reply, m.Error) and reply.code == m.Code.BAD_IDS
+
+
+def test_a_load_naming_a_slot_twice_is_refused(service):
+    """One READY slot named 65,536 times would be 256 GiB of copying for one Transfer."""
+    peer, _mem = registered(service, b"w", seed=4)
+    done = service.handle(b"w", peer, m.Transfer(3, 9, m.Direction.LOAD, pack_u32([1, 2]),
+                                                 pack_u32([5, 5])))
+    assert isinstance(done, m.Done) and done.code == m.Code.BAD_IDS
+    assert "named twice" in done.message and service.index.pinned_blocks == 0
