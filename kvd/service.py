@@ -316,15 +316,15 @@ class Service:
         pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
         try:
             self._check_keys(msg.keys, msg.depth, msg.length)
-            # Half the pool at most: one connection (a scheduler that never stores) must
-            # not hold every slot PENDING, evicting every other tenant's blocks for it.
+            # Three quarters of the pool at most: one connection (a scheduler that never
+            # stores) must not hold every slot PENDING, evicting every tenant's blocks.
             quota = min(self.config.max_pending_blocks,
-                        max(1, self.index.allocator.total_slots(tenant.slot_bytes) // 2))
+                        max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4))
             room = quota - self.index.pending_by.get(client.id, 0)
             if room <= 0:
                 raise KvdError(f"pending-store quota of {quota} blocks reached (the "
-                               "smaller of max_pending_blocks and half the pool); finish or "
-                               "abort stores first", m.Code.BUSY)
+                               "smaller of max_pending_blocks and 3/4 of the pool); finish "
+                               "or abort stores first", m.Code.BUSY)
         except KvdError:
             if msg.ticket:  # the workers' stores by it end at once, copying nothing,
                 # instead of waiting for an allocation that will never come

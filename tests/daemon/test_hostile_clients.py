@@ -251,24 +251,24 @@ def test_a_load_naming_a_slot_twice_is_refused(service):
     assert "named twice" in done.message and service.index.pinned_blocks == 0
 
 
-def test_one_connection_holds_at_most_half_the_pool_pending(service):
-    """A scheduler that allocates and never stores: its Allocates stop at half the
-    pool's slots, so another tenant still gets room (and keeps half its blocks)."""
+def test_one_connection_holds_at_most_three_quarters_of_the_pool_pending(service):
+    """A scheduler that allocates and never stores: its Allocates stop at 3/4 of the
+    pool's slots, so another tenant still gets room."""
     peer = hello(service, b"hog")
     spec = Spec("unused", model="hog")
     assert isinstance(service.handle(b"hog", peer, m.Register(2, fingerprint(spec), -1)),
                       m.Registered)
     tenant = service.clients[b"hog"].tenant
-    half = service.index.allocator.total_slots(tenant.slot_bytes) // 2
+    quota = service.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4
     got = 0
-    for req in range(10, 10 + 4 * half // 64):  # twice what the pool holds
+    for req in range(10, 10 + 3 * quota // 64):  # twice what the pool holds
         reply = service.handle(b"hog", peer, m.Allocate(
             req, [f"h{req}-{i}".encode() for i in range(64)], pending_ms=600_000))
         if isinstance(reply, m.Error):
-            assert reply.code == m.Code.BUSY and "half the pool" in reply.message
+            assert reply.code == m.Code.BUSY and "3/4 of the pool" in reply.message
             break
         got += reply.allocated
-    assert got == half == service.index.pending_blocks
+    assert got == quota == service.index.pending_blocks
     other, _mem = registered(service, b"w", seed=5)
     reply = service.handle(b"w", other, m.Allocate(3, [b"x%d" % i for i in range(64)]))
     assert isinstance(reply, m.Allocated) and reply.allocated == 64

@@ -149,11 +149,12 @@ def test_failed_store_never_becomes_ready(daemon):
 def test_allocate_skips_stored_keys_and_reports_no_room(daemon_factory):
     d = daemon_factory("--pool-size", "1M", "--extent-size", "1M")
     spec = Spec(d.socket, pages=(65536,))  # 16 blocks fit
-    sched = scheduler(d, spec)
+    # Two schedulers: one connection holds at most 3/4 of the pool PENDING.
+    sched, other = scheduler(d, spec), scheduler(d, spec)
     w = Worker(spec)
     try:
         ks = keys(16)
-        slots = allocate(sched, ks)
+        slots = np.concatenate([allocate(sched, ks[:8]), allocate(other, ks[8:])])
         r = sched.request(m.Allocate(sched.next_req(), ks[:4]))
         assert unpack_u32(r.slots).tolist() == [NO_SLOT] * 4  # PENDING already
         # All 16 PENDING: nothing can be evicted, so no room at all.
@@ -161,14 +162,17 @@ def test_allocate_skips_stored_keys_and_reports_no_room(daemon_factory):
         assert r.allocated == 0 and r.evicted == []
         assert w.store(1, range(16), slots)[1] == 0
         hit = lookup(sched, ks[:2])  # leased: pinned, not evictable
-        r = sched.request(m.Allocate(sched.next_req(), keys(15, "y")))
-        assert r.allocated == 14 and len(r.evicted) == 14
-        assert set(r.evicted).isdisjoint(ks[:2])
+        r = sched.request(m.Allocate(sched.next_req(), keys(12, "y")))
+        r2 = other.request(m.Allocate(other.next_req(), keys(3, "z")))
+        assert (r.allocated, r2.allocated) == (12, 2)  # the pinned two stop it
+        assert len(r.evicted) + len(r2.evicted) == 14
+        assert set(r.evicted + r2.evicted).isdisjoint(ks[:2])
         assert lookup(sched, ks[:2]).hits == 2
         sched.request(m.Release(sched.next_req(), hit.lease))
     finally:
         w.close()
         sched.close()
+        other.close()
 
 
 def test_version_mismatch_names_both_versions(daemon):
