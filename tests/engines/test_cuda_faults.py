@@ -32,6 +32,20 @@ def fail_first_wait(fake, monkeypatch, code=999, name="cudaErrorUnknown"):
     return failed
 
 
+def assert_lost(fake, rig) -> None:
+    """Job 1 failed and lost the GPU: a next job fails at once, naming the fix, with no
+    CUDA call."""
+    assert rig.wait_done(1)
+    assert rig.err(1).code == m.Code.TRANSFER_FAILED
+    assert rig.engine.stats()["lost_gpus"] == 1
+    calls = len(fake.calls)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [1], [1], event=2))
+    assert rig.wait_done(2)
+    assert rig.err(2).code == m.Code.TRANSFER_FAILED
+    assert "unusable" in str(rig.err(2)) and "restart kvd" in str(rig.err(2))
+    assert not [c for c in fake.calls[calls:] if c[0] != "on_done"]
+
+
 def test_a_failed_wait_ends_its_store_only_after_the_copy_ran(fake, monkeypatch):
     """A wait that fails proves nothing about the copy: its Done (after which the slot
     is handed out again, and the client's memory may close) waits for the streams."""
@@ -67,14 +81,7 @@ def test_copies_that_cannot_be_waited_for_keep_their_memory_open_and_the_gpu_los
 
     monkeypatch.setattr(fake, "stream_synchronize", sync)
     rig.engine.submit(rig.job(m.Direction.STORE, [3], [5], event=1))
-    assert rig.wait_done(1)
-    assert rig.err(1).code == m.Code.TRANSFER_FAILED
-    assert rig.engine.stats()["lost_gpus"] == 1
-    calls = len(fake.calls)
-    rig.engine.submit(rig.job(m.Direction.LOAD, [1], [1], event=2))
-    assert rig.wait_done(2)
-    assert rig.err(2).code == m.Code.TRANSFER_FAILED and "restart kvd" in str(rig.err(2))
-    assert not [c for c in fake.calls[calls:] if c[0] != "on_done"]  # no CUDA call
+    assert_lost(fake, rig)
     rig.engine.detach(7)
     time.sleep(0.2)
     assert not fake.of("ipc_close_mem_handle")  # copies may still read it
@@ -89,14 +96,7 @@ def test_a_sticky_error_marks_the_gpu_lost_and_refuses_its_work_plainly(fake):
     job = rig.job(m.Direction.STORE, [0], [0], event=1)
     job.remote = job.remote + np.uint64(10 ** 9)  # outside every mapping: illegal address
     rig.engine.submit(job)
-    assert rig.wait_done(1)
-    assert rig.err(1).code == m.Code.TRANSFER_FAILED
-    assert rig.engine.stats()["lost_gpus"] == 1
-    calls = len(fake.calls)
-    rig.engine.submit(rig.job(m.Direction.LOAD, [1], [1], event=2))
-    assert rig.wait_done(2)
-    assert "unusable" in str(rig.err(2)) and "restart kvd" in str(rig.err(2))
-    assert not [c for c in fake.calls[calls:] if c[0] != "on_done"]
+    assert_lost(fake, rig)
     fake.set_current_context(None)
     with pytest.raises(TransferError, match="restart kvd") as e:  # not "PID namespace"
         rig.engine.attach(9, 4243, rig.reg)
