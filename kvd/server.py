@@ -23,7 +23,8 @@ import zmq
 from kvd.access import UNKNOWN_PEER, Access, Peer
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
-from kvd.engines.cuda import ClientCopyEngine, CudaEngine, gpu_path
+from kvd.engines.client_copy import ClientCopyEngine
+from kvd.engines.cuda import CudaEngine, gpu_path
 from kvd.engines.host import HostEngine
 from kvd.lifecycle import Lifecycle, ReloadFn
 from kvd.start_signals import take_start_signals

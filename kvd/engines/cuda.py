@@ -44,11 +44,10 @@ from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_af
 from kvd.engines.cuda_device import (COPYING, FINISHED, QUEUED, Lane, Unsettled, Watchdog,
                                      Work, is_sticky)
 from kvd.engines.cuda_handles import (  # noqa: F401 - refuse_...: the service's import
-    Client, Device, Handles, format_uuid, refuse_foreign_pid_namespace)
+    Client, Device, Handles, format_uuid, open_failure, refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner
-from kvd_client.cudart import (ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES, CudaApi,
-                               CudaError)
+from kvd_client.cudart import ACCESS_ORDER_ANY, ACCESS_ORDER_STREAM, IPC_HANDLE_BYTES, CudaApi
 from kvd_client.runs import coalesce
 from kvd_proto.messages import Code, Direction, Register
 
@@ -60,13 +59,6 @@ STOP_SECONDS = 5.0
 # The longest a job waits for its worker's event, whatever its deadline: a load lane is
 # shared by the GPU's clients, and a worker's forward pass ends within seconds.
 EVENT_WAIT_MAX_S = 10.0
-# cudaIpcOpen* failures the usual advice (namespaces, cudaMalloc) does not fit.
-OPEN_ADVICE = {
-    2: (("the daemon's GPU context has no room to map it (cudaErrorMemoryAllocation: "
-         "device memory or BAR1 space); retried at the next registration"), Code.NO_SPACE),
-    217: (("peer access between the daemon's context and that memory is not supported "
-           "(cudaErrorPeerAccessUnsupported)"), Code.PERMISSION),
-}
 # Polling a worker's event: the first look again after POLL_FIRST_S, doubling up to
 # POLL_MAX_S (a forward pass ends within milliseconds; a stalled one costs ~1k looks/s).
 POLL_FIRST_S = 50e-6
@@ -178,12 +170,7 @@ class CudaEngine(TransferEngine):
                 if is_sticky(e):
                     self._lose(dev, e)
                     raise self._lost_error(dev) from e
-                advice, code = OPEN_ADVICE.get(e.code if isinstance(e, CudaError) else 0, ((
-                    "Legacy CUDA IPC needs the daemon and the engine in one PID namespace on "
-                    "one node, and memory from cudaMalloc (not expandable segments or "
-                    "cuMemCreate)"), Code.PERMISSION))
-                raise TransferError(f"cannot open the CUDA IPC handles of pid {pid}: {e}. "
-                                    f"{advice}", code) from e
+                raise open_failure(pid, e) from e
             self._clients[client] = c
             base = {h: self._handles.base(c, h) for (_, h) in c.mem_keys}
         return [base[r.ipc_handle] + r.offset for r in regions]
@@ -481,30 +468,6 @@ class CudaEngine(TransferEngine):
     def _log_errors(self, dev: Device, errors: list[Exception]) -> None:
         for e in errors:
             log.warning("CUDA cleanup on %s: %s", format_uuid(dev.uuid), e)
-
-
-class ClientCopyEngine(TransferEngine):
-    """For clients registered with ``client_copy``: the client copied into the slots
-    before sending the Transfer, so a job is complete when it arrives. The daemon keeps
-    the index and the policy (PENDING -> READY, leases) and moves no bytes."""
-
-    name = "client_copy"
-
-    def __init__(self, on_done: DoneCallback, pool: np.ndarray | None = None) -> None:
-        super().__init__(on_done)
-        self.pool = pool  # the daemon's pool mapping: a store's checksums come from it
-
-    def attach(self, client: int, pid: int, reg: Register) -> list[int]:
-        return [0] * len(reg.fingerprint.rank_page_bytes)  # no remote addresses
-
-    def submit(self, job: CopyJob) -> None:
-        # The client wrote the slots already: hash them as a copy thread would, or with
-        # persistence on, a restart would take these blocks for corrupt ones.
-        checksum_after(job, self.pool)
-        self.on_done(job, None, 0.0)
-
-    def close(self, timeout: float = 0.0) -> bool:
-        return True  # it copies nothing
 
 
 def gpu_path(on_done: DoneCallback, api: CudaApi, pool: np.ndarray, *,

@@ -11,13 +11,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.engines.cuda_device import Lane, Work
-from kvd.errors import RequestError
-from kvd_client.cudart import CudaApi
+from kvd.errors import RequestError, TransferError
+from kvd_client.cudart import CudaApi, CudaError
 from kvd_proto.messages import Code, CudaRegion
 
 log = logging.getLogger("kvd.engines.cuda")
 
 Key = tuple[int, bytes]  # (client pid, handle bytes)
+# cudaIpcOpen* failures the usual advice (namespaces, cudaMalloc) does not fit.
+OPEN_ADVICE = {
+    2: (("the daemon's GPU context has no room to map it (cudaErrorMemoryAllocation: "
+         "device memory or BAR1 space); retried at the next registration"), Code.NO_SPACE),
+    217: (("peer access between the daemon's context and that memory is not supported "
+           "(cudaErrorPeerAccessUnsupported)"), Code.PERMISSION),
+}
+DEFAULT_OPEN_ADVICE = (("Legacy CUDA IPC needs the daemon and the engine in one PID "
+                       "namespace on one node, and memory from cudaMalloc (not expandable "
+                       "segments or cuMemCreate)"), Code.PERMISSION)
 
 
 def format_uuid(raw: bytes) -> str:
@@ -41,6 +51,14 @@ def refuse_foreign_pid_namespace(hello_pid: int, peer_pid: int) -> None:
             "register with client_copy=True so the client copies into the pool itself",
             Code.PERMISSION,
         )
+
+
+def open_failure(pid: int, error: Exception) -> TransferError:
+    """A client's handles that did not open, answered for the cause."""
+    advice, code = OPEN_ADVICE.get(error.code if isinstance(error, CudaError) else 0,
+                                   DEFAULT_OPEN_ADVICE)
+    return TransferError(f"cannot open the CUDA IPC handles of pid {pid}: {error}. {advice}",
+                         code)
 
 
 def region_end(r: CudaRegion) -> int:

@@ -12,7 +12,7 @@ import pytest
 
 from kvd.access import Peer
 from kvd.config import Config
-from kvd.engines.cuda import ClientCopyEngine
+from kvd.engines.client_copy import ClientCopyEngine
 from kvd.engines.host import HostEngine
 from kvd.pool import Pool
 from kvd.service import Service

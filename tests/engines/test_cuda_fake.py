@@ -21,8 +21,8 @@ import xxhash
 
 from kvd.engines.base import ChecksumSpec, CopyJob
 from kvd.engines.cuda_device import COPY_STREAMS, SPLIT_MIN_RUNS
-from kvd.engines.cuda import (ClientCopyEngine, CudaEngine, gpu_path,
-                              refuse_foreign_pid_namespace)
+from kvd.engines.client_copy import ClientCopyEngine
+from kvd.engines.cuda import CudaEngine, gpu_path, refuse_foreign_pid_namespace
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner, chunks
 from kvd_client.cuda import (ClientCopier, CudaExportRefused, EventRing, GpuTensor,
