@@ -30,7 +30,8 @@ def split_long(
         return pool, remote, lengths
     step = np.uint64(limit)
     pieces = (lengths + step - np.uint64(1)) // step
-    idx = np.repeat(np.arange(len(lengths)), pieces.astype(np.int64))
+    counts = pieces.astype(np.int64)
+    idx = np.repeat(np.arange(len(lengths)), counts)
     first = np.cumsum(pieces) - pieces  # each run's first piece
-    off = (np.arange(len(idx), dtype=np.uint64) - np.repeat(first, pieces.astype(np.int64))) * step
+    off = (np.arange(len(idx), dtype=np.uint64) - np.repeat(first, counts)) * step
     return pool[idx] + off, remote[idx] + off, np.minimum(lengths[idx] - off, step)

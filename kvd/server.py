@@ -410,10 +410,7 @@ class Server:
         # read the pool, so it closes last.
         if self.service.tiering is not None:
             self.service.tiering.close()
-        if settled:
-            self.pool.close()  # kept when persistence is on
-        else:
-            self.pool.close(mapping=False)
+        self.pool.close(mapping=settled)  # the file is kept when persistence is on
         self.ctx.destroy(linger=0)  # waits for the socket's linger; ZeroMQ's threads end
 
 

@@ -83,7 +83,9 @@ def late(job: CopyJob, now: float | None = None) -> TransferError | None:
                          "could give it up; not committed", Code.EXPIRED)
 
 
-STOP_S = 5.0  # how long close() waits for copies in flight, by default
+# How long close() waits for copies still in flight, all steps together: the stop has
+# already waited stop_timeout_ms for transfers, and systemd's TimeoutStopSec is 30 s.
+STOP_S = 5.0
 # on_done(job, error or None, seconds); called on an engine thread: must be thread-safe.
 DoneCallback = Callable[[CopyJob, "Exception | None", float], None]
 

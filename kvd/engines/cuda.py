@@ -39,11 +39,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvd.engines.base import (CopyJob, DoneCallback, TransferEngine, checksum_after, expired,
-                              late, verify_then)
+from kvd.engines.base import (STOP_S, CopyJob, DoneCallback, TransferEngine, checksum_after,
+                              expired, late, verify_then)
 from kvd.engines.cuda_device import (COPYING, FINISHED, QUEUED, Lane, Unsettled, Watchdog,
                                      Work, is_sticky)
-from kvd.engines.cuda_handles import (  # noqa: F401 - refuse_...: the service's import
+from kvd.engines.cuda_handles import (  # noqa: F401 - refuse_...: kvd.registration's import
     Client, Device, Handles, format_uuid, open_failure, refuse_foreign_pid_namespace)
 from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner
@@ -53,9 +53,6 @@ from kvd_proto.messages import Code, Direction, Register
 
 log = logging.getLogger("kvd.engines.cuda")
 MAX_EVENTS = 4096  # event-ring entries one client may register
-# How long close() waits for copies still in flight, all steps together: the stop has
-# already waited stop_timeout_ms for transfers, and systemd's TimeoutStopSec is 30 s.
-STOP_SECONDS = 5.0
 # The longest a job waits for its worker's event, whatever its deadline: a load lane is
 # shared by the GPU's clients, and a worker's forward pass ends within seconds.
 EVENT_WAIT_MAX_S = 10.0
@@ -417,7 +414,7 @@ class CudaEngine(TransferEngine):
         self.on_done(work.job, err, time.perf_counter() - work.started)
 
     # ------------------------------------------------------------ shutdown
-    def close(self, timeout: float = STOP_SECONDS) -> bool:
+    def close(self, timeout: float = STOP_S) -> bool:
         """Stop taking jobs, fail queued ones, wait (``timeout`` in all) for copies in
         flight, close handles. False when copies may still run: then the contexts are
         kept, and the caller must keep the pool pinned and mapped (the process's exit
