@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from itertools import islice
 
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ from hypothesis import strategies as st
 from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, Index
 from kvd.core.policies import make_policy
-from kvd.core.policies.adaptive import AdaptivePolicy
-from kvd.core.policies.base import EvictionPolicy
+from kvd.core.policies.adaptive import Z, AdaptivePolicy, challenger
+from kvd.core.policies.base import EvictionPolicy, register_policy
+from kvd.core.policies.lru import LRUPolicy
 from kvd.core.policies.shadow import MINI, key_hash, sample_shift
 from kvd.core.tenants import Tenants
 
@@ -193,3 +195,80 @@ def test_a_hits_sample_is_the_held_keys_whose_hash_is_sampled(ops: list[tuple]) 
         expected = ({k for k in held if k in since and key_hash(k) < policy._limit}
                     if policy._shift else set())
         assert policy._held_sample == expected
+
+
+# ---------------------------------------------------------------- switching honestly
+def _evidence(calls: list[tuple[int, int]]) -> tuple[list[float], list[list[float]]]:
+    """Scores and per-call products of two experts (leader 0, challenger 1)."""
+    scores = [float(sum(c[0] for c in calls)), float(sum(c[1] for c in calls))]
+    products = [[float(sum(c[i] * c[j] for c in calls)) for j in (0, 1)] for i in (0, 1)]
+    return scores, products
+
+
+HITS = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=st.lists(st.integers(0, 50), max_size=40), edge=st.integers(0, 3),
+       at=st.integers(0, 39))
+def test_experts_that_hit_alike_do_not_trade_places(calls: list[int], edge: int,
+                                                    at: int) -> None:
+    """Equal hits call by call never hand the lead over, however many; neither does an
+    edge made in a single call (one event, however large, is not a trend)."""
+    pairs = [(h, h + (edge if i == at else 0)) for i, h in enumerate(calls)]
+    scores, products = _evidence(pairs)
+    assert challenger(scores, [1.0, 1.0], products, lead=0) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(base=st.lists(st.integers(0, 50), min_size=1, max_size=40), edge=st.integers(1, 5),
+       scale=st.integers(1, 8))
+def test_a_steady_edge_takes_the_lead_after_a_few_calls_at_any_sample_rate(
+        base: list[int], edge: int, scale: int) -> None:
+    """A challenger one to five hits ahead in every call leads once the calls outnumber
+    Z squared; sampling more keys (every hit count times ``scale``) changes nothing."""
+    pairs = [(h * scale, (h + edge) * scale) for h in base]
+    scores, products = _evidence(pairs)
+    expect = 1 if len(base) > Z * Z else 0
+    assert challenger(scores, [1.0, 1.0], products, lead=0) == expect
+
+
+def test_a_challenger_weighed_down_by_its_live_record_does_not_lead() -> None:
+    pairs = [(10, 12)] * 20  # ahead by 20% in every call
+    scores, products = _evidence(pairs)
+    assert challenger(scores, [1.0, 1.0], products, lead=0) == 1
+    assert challenger(scores, [1.0, 0.8], products, lead=0) == 0  # its live hits: 0.8
+
+
+class _TwoFaced(LRUPolicy):
+    """LRU in a miniature, most-recently-used-first at full size: a policy whose
+    miniature simulation promises what the live cache never gets."""
+
+    name = "twofaced"
+
+    def victims(self):
+        return iter(self._order) if self.capacity < 8 * MINI else reversed(self._order)
+
+    def evict(self, n: int) -> list:
+        keys = list(islice(self.victims(), n))
+        self.evicted_many(keys)
+        return keys
+
+
+def test_an_expert_whose_miniature_overpromises_loses_the_lead_to_its_live_record(
+        ) -> None:
+    """The two-faced expert leads first and its shadow scores exactly as LRU's: only
+    the live cache's hits under it tell them apart, and they hand the lead to LRU
+    (without them the tie would keep it)."""
+    register_policy("twofaced", f"{__name__}:_TwoFaced")
+    capacity = 8 * MINI
+    trace = _chat(30_000, random.Random(5))
+    policy = type("Honest", (AdaptivePolicy,), {"experts": ("twofaced", "lru")})(capacity)
+    assert policy._shift > 0
+    hits = _replay(policy, trace)
+    refs = sum(map(len, trace))
+    assert policy.leader == "lru"
+    alone = {n: _replay(make_policy(n, capacity), trace) for n in ("lru", "twofaced")}
+    assert alone["twofaced"] < alone["lru"] - 0.05 * refs  # the live face is worse
+    # The lead passes once a few capacities were stored under it: most of the edge.
+    assert hits - alone["twofaced"] > 0.8 * (alone["lru"] - alone["twofaced"])

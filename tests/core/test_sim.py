@@ -19,8 +19,8 @@ from kvd.sim import BELADY, TraceError, load_trace, make_trace, replay
 # for [1,2] again. LRU evicts 1 and 2 (least recent); ARC, S3-FIFO and chain keep
 # the reused pair and drop the never-hit 3 and 4; Belady drops 3, 4 (never used).
 TINY = [[1, 2], [1, 2], [3, 4], [5, 6], [1, 2]]
-# adaptive follows LRU until its miniature simulations have seen enough to disagree.
-TINY_HITS = {"lru": 2, "arc": 4, "s3fifo": 4, "chain": 4, "adaptive": 2, BELADY: 4}
+# adaptive follows ARC until its miniature simulations have seen enough to disagree.
+TINY_HITS = {"lru": 2, "arc": 4, "s3fifo": 4, "chain": 4, "adaptive": 4, BELADY: 4}
 
 
 @pytest.mark.parametrize("name", sorted(TINY_HITS))

@@ -10,6 +10,23 @@ the same fraction of the capacity) scored the most prefix hits recently. When th
 traffic changes, the scores change, and so does the leader; the experts' orders are
 kept up to date all along, so a new leader takes over from a consistent state.
 
+Two checks keep the choice honest:
+- The shadows replay the same calls, so their hits are compared in pairs, call by
+  call: the lead changes hands when a challenger is ahead by more than ``Z`` standard
+  deviations of the summed per-call differences (``challenger``). Policies that hit the
+  same keys never trade places, and a steady edge shows after a few calls, where a
+  test on the hit totals would wait for it to outgrow their noise.
+- A miniature does not scale exactly for every policy (SHARDS is exact for stack
+  algorithms like LRU, not for ARC's or ``chain``'s learned state), and the live
+  cache, whose content earlier leaders chose, may not reach what a fresh shadow does.
+  So each expert's score is weighed by the live cache's hits on the sampled keys over
+  its shadow's hits while it led, counted once ``SETTLE`` capacities of stores went
+  by under it, and forgotten as slowly as the scores.
+
+The first leader is ARC: a late switch costs least towards LRU, whose order is the
+held keys' recency whoever chose them, while ARC's edge (reused blocks kept apart from
+one-off ones) is history that a late start lacks.
+
 Cost: each expert's own per-operation cost (O(1) or O(log n)), plus the sampled
 replays, which see about ``1024 / capacity`` of the keys (all of them below 2,048
 blocks). Deterministic: the sample is a fixed hash of the key, no clock, no randomness.
@@ -24,8 +41,28 @@ from zlib import crc32
 from kvd.core.policies.base import EvictionPolicy, Key, make_policy
 from kvd.core.policies.shadow import Shadow, key_hash, sample_shift
 
-EXPERTS = ("lru", "arc", "chain")  # the first leads until the shadows say otherwise
+EXPERTS = ("arc", "lru", "chain")  # the first leads until the shadows say otherwise
 WINDOW = 4  # scores halve every WINDOW miniature capacities of sampled references
+Z = 1.0  # a challenger leads when ahead by this many standard deviations
+PRIOR = 32.0  # sampled hits of evidence a calibration starts from (ratio 1)
+SETTLE = 4  # miniature capacities of stores under a new leader before it is measured
+
+
+def challenger(scores: Sequence[float], weights: Sequence[float],
+               products: Sequence[Sequence[float]], lead: int, z: float = Z) -> int:
+    """The expert that should lead: the best weighed score, if it is ahead of ``lead``'s
+    by more than ``z`` standard deviations of the summed per-call differences, else
+    ``lead``. ``products[i][j]`` sums, over calls, expert i's hits times expert j's, so
+    the differences' sum of squares is a quadratic form in the weights."""
+    weighed = [w * s for w, s in zip(weights, scores)]
+    best = max(range(len(weighed)), key=weighed.__getitem__)
+    gap = weighed[best] - weighed[lead]
+    if gap <= 0:
+        return lead
+    wb, wl = weights[best], weights[lead]
+    var = (wb * wb * products[best][best] + wl * wl * products[lead][lead]
+           - 2 * wb * wl * products[best][lead])
+    return best if gap * gap > z * z * var else lead
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -48,6 +85,16 @@ class AdaptivePolicy(EvictionPolicy):
         self._window = WINDOW * mini
         self._seen = 0
         self.lead = 0  # index of the leading expert
+        n = len(self.experts)
+        # Per call, the shadows' hits h: decayed sums of h_i * h_j (the paired test's
+        # variance), and of the live hits and the leader's shadow hits, per expert, while
+        # it led (its calibration), counted once ``_settle`` sampled stores went by.
+        self._products = [[0.0] * n for _ in range(n)]
+        self._live_hits = [0.0] * n
+        self._shadow_hits = [0.0] * n
+        self._misses_sq = [0.0] * n  # per call (live - shadow hits) squared: its noise
+        self._mini = mini
+        self._settle = SETTLE * mini
         # Stores not yet replayed in the shadows: [keys, depth, length]. Consecutive
         # inserts of one run merge, so ``insert`` one key at a time and ``insert_many``
         # leave the same trace in the shadows; any other call replays them first.
@@ -75,26 +122,49 @@ class AdaptivePolicy(EvictionPolicy):
             got, depths = [keys[i] for i in idx], [depth + i for i in idx]
             if stored:
                 self._held_sample.update(got)
-        for shadow in self._shadows:
-            shadow.reference(got, depths, depth, depth + n, length)
+        hits = [s.reference(got, depths, depth, depth + n, length) for s in self._shadows]
         if not got:
             return
         self._seen += len(got)
+        if stored:
+            self._settle -= len(got)
+        lead = self.lead
+        if self._settle <= 0:  # the cache turned over under this leader: measure it
+            live = 0 if stored else len(got)
+            self._live_hits[lead] += live
+            self._shadow_hits[lead] += hits[lead]
+            self._misses_sq[lead] += (live - hits[lead]) ** 2
+        if any(hits):
+            for i, row in enumerate(self._products):
+                if hits[i]:
+                    for j, h in enumerate(hits):
+                        row[j] += hits[i] * h
         self._choose()
 
+    def weights(self) -> list[float]:
+        """Each expert's calibration: live hits per shadow hit while it led, where they
+        differ by more than ``Z`` standard deviations (paired, as in ``challenger``)."""
+        return [(live + PRIOR) / (shadow + PRIOR)
+                if (live - shadow) ** 2 > Z * Z * sq else 1.0
+                for live, shadow, sq in zip(self._live_hits, self._shadow_hits,
+                                            self._misses_sq)]
+
     def _choose(self) -> None:
-        """Hand the lead over when another expert is ahead by more than chance: hits
-        are counts, so a lead of about one standard deviation of their sum."""
-        shadows = self._shadows
-        scores = [s.score for s in shadows]
-        best = max(range(len(scores)), key=scores.__getitem__)
-        gap = scores[best] - scores[self.lead]
-        if gap > 0 and gap * gap > scores[best] + scores[self.lead]:
-            self.lead = best
+        lead = self.lead
+        self.lead = challenger([s.score for s in self._shadows], self.weights(),
+                               self._products, lead, Z)
+        if self.lead != lead:
+            self._settle = SETTLE * self._mini
         if self._seen >= self._window:  # forget slowly, so the choice can follow
             self._seen = 0
-            for s in shadows:
+            for s in self._shadows:
                 s.score *= 0.5
+            for row in self._products:
+                row[:] = [x * 0.5 for x in row]
+            # Every expert's calibration too: one measured in a bad spell (or while
+            # the cache still held its predecessor's choice) does not bar it for good.
+            for counts in (self._live_hits, self._shadow_hits, self._misses_sq):
+                counts[:] = [x * 0.5 for x in counts]
 
     # ------------------------------------------------------------ updates
     def insert(self, key: Key, depth: int = 0, length: int = 0) -> None:
