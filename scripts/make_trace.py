@@ -13,17 +13,24 @@ whose tool outputs grow the context step after step, several loops interleaved.
 come back. ``convo``: conversations as in real chat logs (no shared prompt,
 long answers, heavy-tailed waits between turns). ``paced``: conversations that come
 back after long waits, each at its user's own pace (a next wait is like the last), many
-of them a single turn: few references hit even an unlimited cache. ``mix``: all of these interleaved in time, each in its own id space (as
-separate tenants would be). Block ids are prefix hashes (equal ids = equal prefix),
-512-token blocks, as in the Mooncake release; ``timestamp`` is in ms. The policies are
-judged on traces they were not tuned on; these are such shapes.
+of them a single turn: few references hit even an unlimited cache. ``longdocs``: a few
+hundred requests on long documents (100-1,000 blocks), a third of them one-off ones:
+few events to learn from, and a recency policy flushes the reused ones. ``repeat``:
+half the requests re-send an earlier request verbatim (popular ones, or recent ones),
+the rest are new, behind a few shared prompts. ``mix``: chat, sysprompt, docqa, agent,
+bursty and convo interleaved in time, each in its own id space (as separate tenants
+would be). Block ids are prefix hashes (equal ids = equal prefix), 512-token blocks,
+as in the Mooncake release; ``timestamp`` is in ms. The policies are judged on traces
+they were not tuned on; these are such shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
+import math
 import random
 
 
@@ -227,8 +234,45 @@ def mix(n: int, rng: random.Random) -> tuple[list[list[int]], list[int]]:
     return [r for _, r in rows], [int(a * 100 * n) for a, _ in rows]
 
 
+def longdocs(n: int, rng: random.Random) -> list[list[int]]:
+    ch = _Chains()
+    docs = [ch.extend([], [("doc", d, i) for i in range(rng.randint(100, 1000))])
+            for d in range(20)]
+    out = []
+    for r in range(n):
+        if rng.random() < 0.33:  # a one-off document
+            doc = ch.extend([], [("once", r, i) for i in range(rng.randint(100, 1000))])
+        else:
+            doc = docs[_zipf(rng, len(docs), 1.0)]
+        out.append(ch.extend(doc, [("q", r, i) for i in range(rng.randint(1, 4))]))
+    return out
+
+
+def repeat(n: int, rng: random.Random) -> list[list[int]]:
+    ch = _Chains()
+    prompts = [ch.extend([], [("sys", p, i) for i in range(rng.randint(2, 12))])
+               for p in range(10)]
+    popular = list(itertools.accumulate(1.0 / (i + 1) ** 1.1 for i in range(5000)))
+    pool: list[list[int]] = []
+    out = []
+    for r in range(n):
+        if pool and rng.random() < 0.5:  # verbatim again: a popular one or a recent one
+            if rng.random() < 0.5:
+                req = pool[min(len(pool) - 1, rng.choices(range(5000), cum_weights=popular)[0])]
+            else:
+                req = pool[-1 - min(len(pool) - 1, int(rng.expovariate(1 / 200)))]
+        else:
+            size = max(1, min(400, round(rng.lognormvariate(math.log(15), 1.0))))
+            req = ch.extend(prompts[_zipf(rng, len(prompts), 1.0)],
+                            [("r", r, i) for i in range(size)])
+            pool.append(req)
+        out.append(req)
+    return out
+
+
 SHAPES = {"chat": chat, "convo": convo, "sysprompt": sysprompt, "docqa": docqa, "agent": agent,
-          "bursty": bursty, "paced": paced, "mix": mix}
+          "bursty": bursty, "paced": paced, "longdocs": longdocs, "repeat": repeat,
+          "mix": mix}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,3 +75,24 @@ def test_written_file_is_a_mooncake_trace(tmp_path: Path) -> None:
     assert len(lines) == 200
     assert all(x["input_length"] == 512 * len(x["hash_ids"]) for x in lines)
     assert load_trace(str(out)).block_refs == sum(len(x["hash_ids"]) for x in lines)
+
+
+def test_repeat_resends_about_half_of_its_requests_verbatim() -> None:
+    rows = _rows("repeat", 4000, 1)
+    seen: set[tuple[int, ...]] = set()
+    again = 0
+    for r in rows:
+        again += tuple(r) in seen
+        seen.add(tuple(r))
+    assert 0.4 < again / len(rows) < 0.6
+
+
+def test_longdocs_are_long_and_a_third_are_asked_about_once() -> None:
+    rows = _rows("longdocs", 600, 1)
+    assert min(map(len, rows)) > 100
+    firsts: dict[int, int] = {}
+    for r in rows:  # a document is named by its first block
+        firsts[r[0]] = firsts.get(r[0], 0) + 1
+    once = sum(1 for n in firsts.values() if n == 1)
+    assert 0.25 < once / len(rows) < 0.4
+    assert len(firsts) - once <= 20  # the reused ones: a small, fixed set
