@@ -46,6 +46,7 @@ def status_document(svc: Sources) -> dict:
         "pid": os.getpid(),
         "uptime_s": round(time.time() - svc.started, 3),
         "policy": svc.policy_name,
+        "policy_state": ix.policy.describe(),
         "pool": {
             "path": svc.pool.path,
             "capacity_bytes": alloc.capacity_bytes,

@@ -73,6 +73,8 @@ def status_text(st: dict[str, Any]) -> str:
     hit = c["hit_blocks"] / max(1, c["lookup_keys"])
     errors = ", ".join(f"{k} {v}" for k, v in sorted(c.get("errors_by_code", {}).items()))
     sized = f" for {blocks['capacity']} blocks" if "capacity" in blocks else ""
+    if leader := st.get("policy_state", {}).get("leader"):
+        sized += f" (leading: {leader})"
     lines = [
         f"kvd pid {st['pid']}  {st.get('phase', 'serving')}  up {duration(st['uptime_s'])}  "
         f"policy {st['policy']}{sized}  protocol {st['version']}",

@@ -60,6 +60,9 @@ def test_every_command_with_json(busy_daemon, capsys):
                       "tenants": list, "counters": dict, "transfers": dict, "metrics": str}.items():
         assert isinstance(st[key], kind), key
     assert st["phase"] == "serving" and st["blocks"]["ready"] == 8
+    if st["policy"] == "adaptive":  # the default says which expert it follows
+        assert st["policy_state"]["leader"] in st["policy_state"]["weights"]
+        assert 0 < st["policy_state"]["sample_rate"] <= 1
 
     tenants = run_json(capsys, *s, "tenants")["tenants"]
     assert len(tenants) == 1
@@ -103,6 +106,7 @@ def test_human_output(busy_daemon, capsys):
     s = ("--socket", busy_daemon.socket)
     rc, out, _ = run(capsys, *s, "status")
     assert rc == 0 and "pool" in out and "ready 8" in out
+    assert "policy adaptive for " in out and "(leading: arc)" in out  # ARC leads first
     rc, out, _ = run(capsys, *s, "tenants")
     assert out.splitlines()[0].split()[:3] == ["TENANT", "MODEL", "TP"] and "tiny" in out
     rc, out, _ = run(capsys, *s, "clients")

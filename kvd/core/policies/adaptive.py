@@ -245,3 +245,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._live[self.lead])
+
+    def describe(self) -> dict[str, object]:
+        return {"leader": self.leader, "sample_rate": 1 / (1 << self._shift),
+                "weights": dict(zip(self.experts, (round(w, 3) for w in self.weights())))}

@@ -86,6 +86,11 @@ class EvictionPolicy(ABC):
     def set_capacity(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
 
+    def describe(self) -> dict[str, object]:
+        """What an operator may want to see of the policy's state (the daemon's status,
+        ``policy_state``): plain JSON values; nothing by default."""
+        return {}
+
 
 # name -> "module:Class", imported lazily so the registry never drags code in.
 _REGISTRY: dict[str, str] = {
