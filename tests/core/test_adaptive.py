@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, Index
 from kvd.core.policies import make_policy
-from kvd.core.policies.adaptive import Z, AdaptivePolicy, challenger
+from kvd.core.policies.adaptive import AdaptivePolicy, Z, challenger
 from kvd.core.policies.base import EvictionPolicy, register_policy
 from kvd.core.policies.lru import LRUPolicy
 from kvd.core.policies.shadow import MINI, key_hash, sample_shift
