@@ -27,6 +27,7 @@ they were not tuned on; these are such shapes.
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import itertools
 import json
@@ -252,13 +253,14 @@ def repeat(n: int, rng: random.Random) -> list[list[int]]:
     ch = _Chains()
     prompts = [ch.extend([], [("sys", p, i) for i in range(rng.randint(2, 12))])
                for p in range(10)]
-    popular = list(itertools.accumulate(1.0 / (i + 1) ** 1.1 for i in range(5000)))
+    popular = list(itertools.accumulate(1.0 / (i + 1) ** 1.1 for i in range(5000)))  # Zipf
     pool: list[list[int]] = []
     out = []
     for r in range(n):
         if pool and rng.random() < 0.5:  # verbatim again: a popular one or a recent one
-            if rng.random() < 0.5:
-                req = pool[min(len(pool) - 1, rng.choices(range(5000), cum_weights=popular)[0])]
+            if rng.random() < 0.5:  # the oldest are the most popular
+                n = min(len(pool), len(popular))
+                req = pool[bisect.bisect_left(popular, rng.random() * popular[n - 1], 0, n - 1)]
             else:
                 req = pool[-1 - min(len(pool) - 1, int(rng.expovariate(1 / 200)))]
         else:

@@ -14,7 +14,7 @@ from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, Index
 from kvd.core.policies import make_policy
 from kvd.core.policies.adaptive import AdaptivePolicy, Z, challenger
-from kvd.core.policies.base import EvictionPolicy, register_policy
+from kvd.core.policies.base import _REGISTRY, EvictionPolicy
 from kvd.core.policies.lru import LRUPolicy
 from kvd.core.policies.shadow import MINI, key_hash, sample_shift
 from kvd.core.tenants import Tenants
@@ -256,11 +256,11 @@ class _TwoFaced(LRUPolicy):
 
 
 def test_an_expert_whose_miniature_overpromises_loses_the_lead_to_its_live_record(
-        ) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The two-faced expert leads first and its shadow scores exactly as LRU's: only
     the live cache's hits under it tell them apart, and they hand the lead to LRU
     (without them the tie would keep it)."""
-    register_policy("twofaced", f"{__name__}:_TwoFaced")
+    monkeypatch.setitem(_REGISTRY, "twofaced", f"{__name__}:_TwoFaced")  # this test's only
     capacity = 8 * MINI
     trace = _chat(30_000, random.Random(5))
     policy = type("Honest", (AdaptivePolicy,), {"experts": ("twofaced", "lru")})(capacity)
