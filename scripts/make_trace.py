@@ -259,8 +259,8 @@ def repeat(n: int, rng: random.Random) -> list[list[int]]:
     for r in range(n):
         if pool and rng.random() < 0.5:  # verbatim again: a popular one or a recent one
             if rng.random() < 0.5:  # the oldest are the most popular
-                n = min(len(pool), len(popular))
-                req = pool[bisect.bisect_left(popular, rng.random() * popular[n - 1], 0, n - 1)]
+                k = min(len(pool), len(popular))
+                req = pool[bisect.bisect_left(popular, rng.random() * popular[k - 1], 0, k - 1)]
             else:
                 req = pool[-1 - min(len(pool) - 1, int(rng.expovariate(1 / 200)))]
         else:
