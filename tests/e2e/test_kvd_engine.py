@@ -7,6 +7,7 @@ runs must be identical, and vLLM must report the loaded prefix (num_cached_token
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 from _model import long_prompt
@@ -158,3 +159,30 @@ def test_an_engines_last_step_reaches_kvd_before_it_exits(tiny_model, daemon, ru
         assert cold["num_cached_tokens"] == 0
         assert loaded["num_cached_tokens"] == full_blocks(loaded)
         assert loaded["token_ids"] == cold["token_ids"]
+
+
+def test_an_idle_engines_last_step_reaches_kvd(tiny_model, daemon_factory, start_engine,
+                                               tmp_path):
+    """An engine in its own process (as ``vllm serve`` runs it) keeps stepping while its
+    connector has stores pending, so the stores vLLM deferred from its last step go out
+    while it idles; were they held until its next request, the daemon would give their
+    slots back after ``store_claim_ms`` and they would never be stored."""
+    daemon = daemon_factory(env={"KVD_STORE_CLAIM_MS": "1000"})
+    prompts = [long_prompt(800, variant=v) for v in range(3)]
+    idle, checked = tmp_path / "idle", tmp_path / "checked"
+    engine = start_engine({
+        "model": str(tiny_model), "kv_transfer_config": kvd_transfer_config(daemon.socket),
+        "multiprocessing": True, "steps": [
+            {"op": "generate", "prompts": prompts, "max_tokens": 1},  # one step, the last
+            {"op": "sleep", "seconds": 3}, {"op": "touch", "path": str(idle)},
+            {"op": "wait_file", "path": str(checked)}]})
+    deadline = time.monotonic() + 300
+    while not idle.exists():
+        assert engine.proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    counters = daemon.status()["counters"]  # the engine is alive and has been idle 3 s
+    checked.touch()
+    (batch,) = engine.wait().generations
+    assert counters["stored_blocks"] == sum(
+        full_blocks(out) // BLOCK_TOKENS for out in batch["outputs"]) > 0, counters
+    assert counters["unclaimed_blocks"] == counters["failed_stores"] == 0, counters
