@@ -321,7 +321,11 @@ class CudaEngine(TransferEngine):
             dsts, srcs = (pool, remote) if store else (remote, pool)
             lane.copy(dsts, srcs, lengths, ACCESS_ORDER_STREAM if store else ACCESS_ORDER_ANY)
             ev = lane.done_event()
-            self.api.event_record(ev, lane.stream)
+            try:
+                self.api.event_record(ev, lane.stream)
+            except Exception:
+                lane.drop_event(ev)
+                raise
             return ev
         except Exception as e:  # noqa: BLE001 - reported to the client as Done
             if not claimed:

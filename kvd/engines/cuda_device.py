@@ -144,6 +144,14 @@ class Lane:
         """A completion event for the copies just enqueued (submit thread only)."""
         return self._free.pop() if self._free else self.api.event_create(blocking=True)
 
+    def drop_event(self, ev: int) -> None:
+        """A completion event that was never recorded (its record failed): destroyed,
+        not reused, as after a failed wait; a poisoned context has nothing to free."""
+        try:
+            self.api.event_destroy(ev)
+        except Exception:  # noqa: BLE001, S110 - nothing more to do with it
+            pass
+
     def _submit(self) -> None:
         self.api.set_current_context(self.ctx)
         while (work := self.todo.get()) is not None:
@@ -163,10 +171,7 @@ class Lane:
                 self.api.event_synchronize(ev)  # blocks, in stream order
                 self._free.append(ev)
             except Exception as e:  # noqa: BLE001 - the copy failed on the device
-                try:
-                    self.api.event_destroy(ev)  # not reused after a failure
-                except Exception:  # noqa: BLE001, S110 - a poisoned context: nothing to free
-                    pass
+                self.drop_event(ev)  # not reused after a failure
                 err = self.settle(e)  # a failed wait proves nothing about the copies
             with self._cv:
                 self._outstanding -= 1

@@ -27,7 +27,7 @@ from kvd.errors import RequestError, TransferError
 from kvd.pinning import PoolPinner, chunks
 from kvd_client.cuda import (ClientCopier, CudaExportRefused, EventRing, GpuTensor,
                              export_regions)
-from kvd_client.cudart import CudaUnavailable, load, version_refusal
+from kvd_client.cudart import CudaError, CudaUnavailable, load, version_refusal
 from kvd_client.errors import KvdClientError
 from kvd_proto import messages as m
 from tests.engines.fake_cuda import FakeCuda
@@ -379,6 +379,31 @@ def test_device_error_is_reported_and_sticks(fake):
     rig.engine.submit(rig.job(m.Direction.LOAD, [0], [0], event=2))
     assert rig.wait_done(2) and isinstance(rig.done[1][1], TransferError)  # sticky
     rig.engine.close()
+
+
+def test_a_failed_completion_record_fails_the_job_and_leaks_no_event(fake, monkeypatch):
+    """The copies are queued, then recording their completion event fails: the job ends
+    with the error once the stream settled, and that event is destroyed, not leaked."""
+    rig = Rig(fake)
+    ring = {c[2] for c in fake.of("event_create")}  # the worker's
+    real, failed = fake.event_record, []
+
+    def record(event: int, stream: int) -> None:
+        if stream != rig.compute and not failed:
+            failed.append(event)
+            raise CudaError("cudaEventRecord", 1, "cudaErrorInvalidValue")
+        real(event, stream)
+
+    monkeypatch.setattr(fake, "event_record", record)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [1], [2], event=1))
+    assert rig.wait_done()
+    assert isinstance(rig.err(1), TransferError)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [2], [3], event=2))
+    assert rig.wait_done(2) and rig.err(2) is None  # not sticky: the lane goes on
+    rig.engine.close()
+    made = {c[2] for c in fake.of("event_create")} - ring
+    assert failed[0] in made
+    assert made <= {c[2] for c in fake.of("event_destroy")}
 
 
 # ------------------------------------------------------------ issue 13, defect by defect
