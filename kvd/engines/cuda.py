@@ -117,8 +117,15 @@ class CudaEngine(TransferEngine):
                 Code.BAD_REQUEST,
             )
         dev = Device(ordinal, uuid, self.api.retain_primary_context(ordinal))
-        dev.loads = Lane(self.api, dev.ctx, f"load-{format_uuid(uuid)[4:12]}",
-                         self._start, self._end)
+        try:
+            dev.loads = Lane(self.api, dev.ctx, f"load-{format_uuid(uuid)[4:12]}",
+                             self._start, self._end)
+        except Exception:
+            try:  # the next client of this GPU retains it afresh
+                self.api.release_primary_context(ordinal)
+            except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+                pass
+            raise
         if not self.api.has_batch_copy():
             log.warning("GPU %s: driver older than 12.8, copying with one cudaMemcpyAsync "
                         "per coalesced run", format_uuid(uuid))

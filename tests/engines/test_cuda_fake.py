@@ -406,6 +406,32 @@ def test_a_failed_completion_record_fails_the_job_and_leaks_no_event(fake, monke
     assert made <= {c[2] for c in fake.of("event_destroy")}
 
 
+def test_a_gpu_whose_load_lane_cannot_be_made_is_not_kept_retained(fake, monkeypatch):
+    """Making the daemon's streams on a GPU fails: the attach fails, the GPU's primary
+    context is released again, and a later attach starts afresh and works."""
+    real, calls = fake.stream_create, []
+
+    def stream_create() -> int:
+        calls.append(1)
+        if len(calls) == 2:  # the first is the worker's compute stream
+            raise CudaError("cuStreamCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+        return real()
+
+    monkeypatch.setattr(fake, "stream_create", stream_create)
+    rigs: list[Rig] = []
+    engine = CudaEngine(lambda job, err, s: rigs[0].on_done(job, err, s), fake)
+    with pytest.raises(TransferError, match="cannot use the client's GPU"):
+        Rig(fake, engine=engine)
+    assert len(fake.of("retain_primary_context")) == 1
+    assert len(fake.of("release_primary_context")) == 1
+    rig = Rig(fake, engine=engine, client=8)
+    rigs.append(rig)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [1], [2], event=1))
+    assert rig.wait_done() and rig.err(1) is None
+    rig.engine.close()
+    assert len(fake.of("retain_primary_context")) == len(fake.of("release_primary_context"))
+
+
 # ------------------------------------------------------------ issue 13, defect by defect
 
 
