@@ -28,6 +28,7 @@ parallel): there a step is scheduled before the previous one's outcome.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -39,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.kv_offload.base import make_offload_key
 
+from kvd_client.vllm.idle import IdleFlush
 from kvd_client.vllm.options import KvdOptions
 from kvd_client.vllm.version import check_vllm_version, vllm_minor
 
@@ -109,6 +111,8 @@ class KvdConnector(OffloadingConnector):
         # The step scheduled last: requests whose KV depends on its synchronous loads.
         self._depends: set[str] = set()
         self._sync_waited: set[str] = set()  # worker: their requests, until get_finished
+        self._idle_flush: IdleFlush | None = None  # worker, host memory: see kvd_client.vllm.idle
+        self._idle_checked = False
 
     def on_new_request(self, request) -> None:  # type: ignore[no-untyped-def]
         super().on_new_request(request)
@@ -125,6 +129,8 @@ class KvdConnector(OffloadingConnector):
         drops the deferred ones at shutdown: the blocks of an engine's last step never
         reached kvd, so the engine restarted in its place recomputed them. They go out
         here; the worker's shutdown then waits for them (the KV cache is still there)."""
+        if self._idle_flush is not None:
+            self._idle_flush.close()
         cw = self.connector_worker
         worker = cw.worker if cw is not None else None
         deferred = getattr(cw, "_unsubmitted_store_jobs", None)
@@ -215,8 +221,32 @@ class KvdConnector(OffloadingConnector):
         if evict:
             self._kv_cache_manager.evict_blocks(evict)
 
+    # ------------------------------------------------ worker side: deferred stores
+    def _step(self) -> AbstractContextManager[None]:
+        """A worker hook that may touch vLLM's deferred stores (see ``IdleFlush``)."""
+        return self._idle_flush.step() if self._idle_flush is not None else nullcontext()
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:  # type: ignore[no-untyped-def]
+        with self._step():
+            super().handle_preemptions(kv_connector_metadata)
+
+    def wait_for_save(self) -> None:
+        if not self._idle_checked:  # the worker exists once the KV caches are registered
+            cw = self.connector_worker
+            worker = cw.worker if cw is not None else None
+            if worker is not None:
+                self._idle_checked = True
+                if getattr(getattr(worker, "path", None), "kind", None) == "host":
+                    self._idle_flush = IdleFlush(cw)
+        with self._step():
+            super().wait_for_save()
+
     # ------------------------------------------------ synchronous loads: worker side
     def start_load_kv(self, forward_context, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        with self._step():
+            self._start_load_kv(forward_context, **kwargs)
+
+    def _start_load_kv(self, forward_context, **kwargs) -> None:  # type: ignore[no-untyped-def]
         meta = self._connector_metadata
         sync = getattr(meta, "sync_load_jobs", frozenset())
         worker = self.connector_worker.worker if self.connector_worker is not None else None

@@ -161,18 +161,20 @@ def test_an_engines_last_step_reaches_kvd_before_it_exits(tiny_model, daemon, ru
         assert loaded["token_ids"] == cold["token_ids"]
 
 
-def test_an_idle_engines_last_step_reaches_kvd(tiny_model, daemon_factory, start_engine,
-                                               tmp_path):
-    """An engine in its own process (as ``vllm serve`` runs it) keeps stepping while its
-    connector has stores pending, so the stores vLLM deferred from its last step go out
-    while it idles; were they held until its next request, the daemon would give their
-    slots back after ``store_claim_ms`` and they would never be stored."""
+@pytest.mark.parametrize("multiprocessing", [False, True], ids=["in-process", "multiprocess"])
+def test_an_idle_engines_last_step_reaches_kvd(multiprocessing, tiny_model, daemon_factory,
+                                               start_engine, tmp_path):
+    """The stores vLLM deferred from an engine's last step go out while it idles: were
+    they held until its next request, the daemon would give their slots back after
+    ``store_claim_ms`` and they would never be stored. An engine in its own process (as
+    ``vllm serve`` runs it) keeps stepping while stores are pending; an in-process one
+    steps only inside ``generate``, and the connector submits them itself."""
     daemon = daemon_factory(env={"KVD_STORE_CLAIM_MS": "1000"})
     prompts = [long_prompt(800, variant=v) for v in range(3)]
     idle, checked = tmp_path / "idle", tmp_path / "checked"
     engine = start_engine({
         "model": str(tiny_model), "kv_transfer_config": kvd_transfer_config(daemon.socket),
-        "multiprocessing": True, "steps": [
+        "multiprocessing": multiprocessing, "steps": [
             {"op": "generate", "prompts": prompts, "max_tokens": 1},  # one step, the last
             {"op": "sleep", "seconds": 3}, {"op": "touch", "path": str(idle)},
             {"op": "wait_file", "path": str(checked)}]})
