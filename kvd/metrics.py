@@ -231,17 +231,12 @@ class StatusCollector(Collector):
         used = GaugeMetricFamily("kvd_tenant_used_bytes", "READY bytes held per tenant", labels=labels)
         blocks = GaugeMetricFamily("kvd_tenant_blocks", "READY blocks held per tenant", labels=labels)
         clients = GaugeMetricFamily("kvd_tenant_clients", "Clients per tenant", labels=labels)
-        quota = GaugeMetricFamily("kvd_tenant_capacity_bytes",
-                                  "Bytes a tenant may hold (its quota; the pool without one)",
-                                  labels=labels)
         for t in tenants:
             key = [str(t["id"]), t.get("model", "")]
             used.add_metric(key, t.get("bytes", 0))
             blocks.add_metric(key, t.get("blocks", 0))
             clients.add_metric(key, t.get("clients", 0))
-            if "quota_bytes" in t:
-                quota.add_metric(key, t["quota_bytes"])
-        yield from (used, blocks, clients, quota)
+        yield from (used, blocks, clients)
 
 
 class Metrics:
