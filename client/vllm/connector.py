@@ -236,7 +236,10 @@ class KvdConnector(OffloadingConnector):
             worker = cw.worker if cw is not None else None
             if worker is not None:
                 self._idle_checked = True
-                if getattr(getattr(worker, "path", None), "kind", None) == "host":
+                # vLLM 0.32: the deferred list and the hooks that touch it are as read
+                # there (0.33 has no CPU build, and host memory is CPU engines).
+                if (vllm_minor() == (0, 32)
+                        and getattr(getattr(worker, "path", None), "kind", None) == "host"):
                     self._idle_flush = IdleFlush(cw)
         with self._step():
             super().wait_for_save()

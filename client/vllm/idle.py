@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvd_client.process import leave_compute_cpus
+
 IDLE_S = 0.2  # far above the gap between two steps of a busy engine (scheduling only)
 
 
@@ -59,6 +61,7 @@ class IdleFlush:
         return getattr(self._cw, "_unsubmitted_store_jobs", None) or []
 
     def _run(self) -> None:
+        leave_compute_cpus()
         with self._cv:
             while not self._closed:
                 left = None if self._due is None else self._due - time.monotonic()
@@ -72,4 +75,7 @@ class IdleFlush:
                 for job_id, src, dst in deferred:
                     worker.submit_store(job_id, src, dst)
                 self.flushed += len(deferred)
+                count = getattr(getattr(worker, "boundary", None), "count", None)
+                if count is not None and deferred:
+                    count("store.idle_flushed", len(deferred))
                 deferred.clear()

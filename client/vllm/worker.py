@@ -149,7 +149,7 @@ class KvdWorker(OffloadingWorker):
     def _submit(self, job_id: int, load: bool, gpu: GPULoadStoreSpec,
                 slots_spec: LoadStoreSpec) -> None:
         blocks = np.asarray(gpu.block_ids, dtype=np.int64)
-        expedited = job_id in self._expedited  # the submitting thread's own set
+        expedited = job_id in self._expedited  # one submitter at a time (see IdleFlush)
         self._expedited.discard(job_id)
         why = _unusable(slots_spec, blocks, self.conn) or self.path.before_send(
             load, blocks, slots_spec.slots, self.conn)  # type: ignore[union-attr]
