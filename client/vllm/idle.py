@@ -16,8 +16,10 @@ thread is not.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 from kvd_client.process import leave_compute_cpus
 
 IDLE_S = 0.2  # far above the gap between two steps of a busy engine (scheduling only)
+_LIVE: weakref.WeakSet[IdleFlush] = weakref.WeakSet()
 
 
 class IdleFlush:
@@ -40,6 +43,14 @@ class IdleFlush:
         self._thread = threading.Thread(target=self._run, name="kvd-idle-flush",
                                         daemon=True)
         self._thread.start()
+        _LIVE.add(self)
+
+    def _forked(self) -> None:
+        """In a fork's child the thread stayed in the parent, which may have held the
+        lock: a new one, and nothing flushed from here."""
+        self._closed = True
+        self._cv = threading.Condition()
+        self._due = None
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -79,3 +90,11 @@ class IdleFlush:
                 if count is not None and deferred:
                     count("store.idle_flushed", len(deferred))
                 deferred.clear()
+
+
+def _after_fork_in_child() -> None:
+    for flush in list(_LIVE):
+        flush._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -34,6 +36,7 @@ from kvd_client.vllm.fingerprint import (  # noqa: E402
     make_fingerprint,
     split_pages,
 )
+from kvd_client.vllm.idle import IdleFlush  # noqa: E402
 from kvd_client.vllm.manager import KvdManager  # noqa: E402
 from kvd_client.vllm.spec import KvdOptions, KvdSlots  # noqa: E402
 from kvd_client.vllm.worker import KvdWorker, _HostPath  # noqa: E402
@@ -705,3 +708,89 @@ def test_sync_loads_option_refuses_unknown_values():
     assert KvdOptions.from_extra({"socket": "s", "sync_loads": "off"}).sync_loads == "off"
     with pytest.raises(ValueError, match="sync_loads"):
         KvdOptions.from_extra({"socket": "s", "sync_loads": "yes"})
+
+
+# ------------------------------------------------ an idle in-process engine's last stores
+def deferred_store(mgr, tag: str, job_id: int, blocks: list[int]):
+    """A store as vLLM's worker defers it to the next step: (job, source, destination)."""
+    keys = keys_for(tag, len(blocks))
+    ctx = request(f"{tag}-{job_id}", keys)
+    mgr.on_new_request(ctx)
+    return (job_id, gpu(blocks), mgr.prepare_store(keys, ctx).store_spec), keys
+
+
+def test_idle_flush_submits_the_deferred_stores_once_no_step_came(engine_side, daemon):
+    """vLLM's connector worker (here just the two attributes IdleFlush reads) holds the
+    last step's stores; with no step after it, they go to the daemon from the flush
+    thread, once, and the list is emptied as vLLM's own submission empties it."""
+    mgr, worker, _ = engine_side
+    job, keys = deferred_store(mgr, "idle", 41, [3, 4])
+    cw = types.SimpleNamespace(worker=worker, _unsubmitted_store_jobs=[job])
+    flush = IdleFlush(cw, idle_s=0.05)
+    try:
+        with flush.step():  # the step that deferred them
+            pass
+        assert wait_for(lambda: flush.flushed == 1, 5)
+        worker.wait({41})
+        assert [r.job_id for r in worker.get_finished()] == [41]
+        assert cw._unsubmitted_store_jobs == [] and flush.flushed == 1
+        assert worker.boundary.counts["store.idle_flushed"] == 1
+        assert wait_for(lambda: daemon.status()["counters"]["stored_blocks"] == len(keys), 5)
+    finally:
+        flush.close()
+
+
+def test_a_step_within_the_idle_time_leaves_the_stores_to_vllm(engine_side):
+    mgr, worker, _ = engine_side
+    job, _ = deferred_store(mgr, "busy", 42, [5])
+    cw = types.SimpleNamespace(worker=worker, _unsubmitted_store_jobs=[job])
+    flush = IdleFlush(cw, idle_s=0.3)
+    try:
+        with flush.step():
+            pass
+        with flush.step():  # the next step: vLLM submits them itself
+            for job_id, src, dst in cw._unsubmitted_store_jobs:
+                worker.submit_store(job_id, src, dst)
+            cw._unsubmitted_store_jobs.clear()
+        worker.wait({42})
+        time.sleep(0.5)
+        assert flush.flushed == 0
+        assert [r.job_id for r in worker.get_finished()] == [42]  # one Done: sent once
+    finally:
+        flush.close()
+
+
+def test_a_fork_child_of_an_engine_never_blocks_on_the_flush_lock():
+    """Forked while another thread held the lock: the child's hooks and close go on."""
+    cw = types.SimpleNamespace(worker=None, _unsubmitted_store_jobs=[])
+    flush = IdleFlush(cw, idle_s=60)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with flush.step():
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on, only an exit code
+        try:
+            with flush.step():
+                pass
+            flush.close()
+        finally:
+            os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        release.set()
+        t.join()
+        flush.close()
