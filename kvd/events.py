@@ -16,7 +16,8 @@ big-endian KV-cache group index):
   (``blocks_per_chunk`` > 1) the key is the chunk's last vLLM block hash, and that is
   the one published, as vLLM's own offloading events do.
 - ``parent_block_hash``: the previous block of the same chain when kvd knows it
-  (stored by the same Allocate); None for a chain's first block and when unknown.
+  (stored by the same Allocate, or named by it: ``Allocate.parent``); None for a
+  chain's first block and when unknown.
 - ``token_ids``: empty (the wire carries hashes only); ``block_size``: the tenant's
   tokens per kvd block (0 when no engine of it registered since a restart);
   ``medium``: "CPU" (the RAM pool).

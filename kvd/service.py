@@ -316,6 +316,8 @@ class Service:
         pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
         try:
             self._check_keys(msg.keys, msg.depth, msg.length)
+            if len(msg.parent) > MAX_KEY:
+                raise RequestError(f"a parent key is longer than {MAX_KEY} bytes")
             # Three quarters of the pool at most: one connection (a scheduler that never
             # stores) must not hold every slot PENDING, evicting every tenant's blocks.
             quota = min(self.config.max_pending_blocks,
@@ -334,8 +336,8 @@ class Service:
             raise
         # Only the first `room` keys may get slots (keys already stored take none).
         res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
-                                  length=msg.length,
-                                  now=now, pending_s=pending_s)
+                                  length=msg.length, now=now, pending_s=pending_s,
+                                  parent=msg.parent or None)
         # What this evicted is copied down (and journaled) before a Transfer that
         # overtook the Allocate starts writing into the slots: add_ticket runs it now.
         self.commit()

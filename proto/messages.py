@@ -188,6 +188,9 @@ class Allocate(_Msg, tag="allocate"):
     # Blocks in the whole request when known (0: depth + len(keys)). vLLM stores a long
     # prompt in parts, one per step; the policy keeps them one run of that length.
     length: int = 0
+    # The key before keys[0] in the request's chain (empty: keys[0] starts it, or the
+    # sender does not know): the parent the KV events give the first stored block.
+    parent: bytes = b""
 
 
 class Allocated(_Msg, tag="allocated"):

@@ -258,6 +258,26 @@ class KvdManager(OffloadingManager):
         pos = ctx.get_offload_key_position(key)  # end token of the key's block
         return max(0, pos // self.tokens_per_key - 1) if pos else 0
 
+    def _parent(self, ctx: ReqContext, key: bytes, depth: int) -> bytes:
+        """The request's key before ``key`` (b"" at the chain's start or when unknown),
+        for the KV events: a turn that goes on from stored blocks names its parent, as
+        vLLM's own events do. Found among the positions vLLM's scheduler recorded, in
+        C (the keys' list), and checked to end one block before ``key``."""
+        positions = getattr(ctx, "_offload_key_positions", None)
+        if depth == 0 or not isinstance(positions, dict):
+            return b""
+        order = list(positions)
+        try:
+            i = order.index(key)
+        except ValueError:
+            return b""
+        if i == 0:
+            return b""
+        parent = order[i - 1]
+        if positions[parent] != positions[key] - self.tokens_per_key:
+            return b""
+        return parent
+
     def _length(self, ctx: ReqContext) -> int:
         """Blocks of the request so far (0: unknown). vLLM's scheduler records the end
         token of every key of the request in order, not only of those stored this step:
@@ -337,10 +357,11 @@ class KvdManager(OffloadingManager):
         # No round trip here: the slots stay with the daemon under the ticket, and the
         # workers name it one step later, when vLLM submits the store.
         ticket = next(self._tickets)
-        fut = self.conn.submit(m.Allocate(self.conn.next_req(), keys,
-                                          depth=self._depth(ctx, keys[0]),
+        depth = self._depth(ctx, keys[0])
+        fut = self.conn.submit(m.Allocate(self.conn.next_req(), keys, depth=depth,
                                           pending_ms=self.options.pending_ms, ticket=ticket,
-                                          length=self._length(ctx)))
+                                          length=self._length(ctx),
+                                          parent=self._parent(ctx, keys[0], depth)))
         fut.add_done_callback(self._count_allocated)
         return PrepareStoreOutput(keys_to_store=keys,
                                   store_spec=KvdSlots(np.zeros(0), self.conn.instance, ticket),

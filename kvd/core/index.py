@@ -53,6 +53,7 @@ class _Pending:
     length: int = 0  # depth of the end of the allocating request's chain
     keys: Sequence[bytes] = ()  # the call's keys, in chain order (parents, for events)
     depth: int = 0  # the depth of keys[0]
+    parent: bytes | None = None  # the key before keys[0] in its chain, when known
 
 
 @dataclass
@@ -262,8 +263,10 @@ class Index:
         length: int = 0,
         now: float = 0.0,
         pending_s: float = 60.0,
+        parent: bytes | None = None,
     ) -> AllocateResult:
         """Slots for the keys not stored yet, evicting READY unpinned blocks if needed.
+        ``parent``: the key before ``keys[0]`` in its chain (for the KV events).
 
         Keys already present (PENDING or READY) get NO_SLOT. Allocation stops at the
         first key that finds no room; ``allocated`` says how many keys were answered.
@@ -302,7 +305,7 @@ class Index:
             self._slot_key.update(zip(got, scoped))
             self._slot_tenant.update(dict.fromkeys(got, tenant))
             self._pending.update(dict.fromkeys(
-                got, _Pending(owner, deadline, tenant, length, keys, depth)))
+                got, _Pending(owner, deadline, tenant, length, keys, depth, parent)))
             if fresh:
                 slots = got + slots[len(got):]
             else:
@@ -393,10 +396,10 @@ class Index:
                 sums = self._sums.pop(slot, None)
                 if sums is not None:
                     self.checksums[slot] = sums
-        if self.record:  # the parent: the key before in the same Allocate, if any
-            sums_of = self.checksums.get
+        if self.record:  # the parent: the key before in the same Allocate, else the one
+            sums_of = self.checksums.get  # its sender named before its first key
             self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []),
-                                p.keys[d - p.depth - 1] if d > p.depth else None)
+                                p.keys[d - p.depth - 1] if d > p.depth else p.parent)
                                for p, key, slot, d in zip(owners, keys, slots, depths))
 
     def abort(self, slots: np.ndarray) -> int:

@@ -17,6 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvd.cli import ctl
 from kvd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode
 from kvd_client import Connection
+from kvd_client.errors import RemoteError
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, unpack_u32
 from tests.daemon.workers import Spec, Worker, fingerprint
@@ -73,8 +74,9 @@ class Engine:
         self.worker = Worker(self.spec)
         self.event = 0
 
-    def store(self, keys: list[bytes], depth: int = 0) -> m.Allocated:
-        r = self.sched.request(m.Allocate(self.sched.next_req(), keys, depth=depth))
+    def store(self, keys: list[bytes], depth: int = 0, parent: bytes = b"") -> m.Allocated:
+        r = self.sched.request(m.Allocate(self.sched.next_req(), keys, depth=depth,
+                                          parent=parent))
         pairs = [(i % self.spec.num_blocks, s) for i, s in enumerate(unpack_u32(r.slots))
                  if s != NO_SLOT]
         if pairs:
@@ -135,6 +137,33 @@ def test_framing_sequence_and_layout(events_daemon):
         st = events_daemon.status()["events"]
         assert st["batches"] == 2 and st["next_seq"] == base + 2
         assert st["dropped_batches"] == 0
+    finally:
+        eng.close()
+        sub.close()
+
+
+def test_a_store_that_goes_on_from_held_blocks_names_its_parent(events_daemon):
+    """A turn that goes on from stored blocks (a new Allocate at depth > 0) announces
+    the parent its sender named, as vLLM's own events do; without one it has none."""
+    pub, _ = endpoints(events_daemon)
+    sub = Sub(pub)
+    eng = Engine(events_daemon.socket)
+    try:
+        ks = [key(i) for i in range(8)]
+        eng.store(ks[:4])
+        sub.recv()
+        eng.store(ks[4:6], depth=4, parent=ks[3])
+        (ev,) = decode(sub.recv()[2]).events
+        assert ev.block_hashes == [published(k) for k in ks[4:6]]
+        assert ev.parent_block_hash == published(ks[3])
+        eng.store(ks[6:], depth=6)  # a sender that does not say
+        (ev,) = decode(sub.recv()[2]).events
+        assert ev.block_hashes == [published(k) for k in ks[6:]]
+        assert ev.parent_block_hash is None
+        with pytest.raises(RemoteError) as bad:  # typed, and nothing allocated
+            eng.store([key(9)], depth=8, parent=b"p" * 2000)
+        assert bad.value.code == m.Code.BAD_REQUEST
+        assert events_daemon.status()["blocks"]["pending"] == 0
     finally:
         eng.close()
         sub.close()

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.e2e
 
 BLOCK_TOKENS = 128
 PROMPT = long_prompt(800)  # ~1000 tokens: 7 full blocks
+NEXT_TURN = PROMPT + " " + long_prompt(300, variant=1)  # goes on from PROMPT's blocks
 
 DECODE = """
 import base64, json, sys
@@ -89,23 +90,29 @@ def test_kvd_publishes_vllms_hashes(tiny_model, daemon_factory, start_engine, tm
     stored, collected = tmp_path / "stored", tmp_path / "collected"
     engine = start_engine({
         "model": str(tiny_model), "kv_transfer_config": kvd_transfer_config(d.socket),
+        # As vllm serve runs it: the engine steps until its requests' leases and stores
+        # are settled (in-process, an idle engine keeps the next turn's lease on the first
+        # turn's blocks until it steps again, and the evict below would keep them).
+        "multiprocessing": True,
         "llm": {"kv_events_config": {
             "enable_kv_cache_events": True, "publisher": "zmq",
             "endpoint": f"tcp://*:{free_port()}", "replay_endpoint": vllm_replay,
             "topic": "vllm"}},
         "steps": [{"op": "generate", "prompt": PROMPT, "max_tokens": 4},
                   {"op": "sleep", "seconds": 0.5},  # the stores complete
+                  {"op": "generate", "prompt": NEXT_TURN, "max_tokens": 4},
+                  {"op": "sleep", "seconds": 0.5},
                   {"op": "touch", "path": str(stored)},
                   {"op": "wait_file", "path": str(collected), "timeout": 300}]})
     try:
         wait_for(stored, engine)
         deadline = time.monotonic() + 10
         kvd_batches: list[tuple[bytes, bytes]] = []
-        while time.monotonic() < deadline and not kvd_batches:
+        while time.monotonic() < deadline and len(kvd_batches) < 2:  # one per turn
             if sub.poll(200):
                 topic, _, payload = sub.recv_multipart()
                 kvd_batches.append((topic, payload))
-        assert kvd_batches, "kvd published nothing"
+        assert len(kvd_batches) == 2, "kvd did not publish both turns"
         theirs = replay(vllm_replay)
         tenant = d.status()["tenants"][0]["id"]
         assert ctl.main(["--socket", d.socket, "evict", "--tenant", str(tenant)]) == 0
@@ -135,6 +142,13 @@ def test_kvd_publishes_vllms_hashes(tiny_model, daemon_factory, start_engine, tm
     assert len(hashes) == run.generations[0]["prompt_len"] // BLOCK_TOKENS  # full blocks
     # The very hashes vLLM's own KV events publish for the same blocks, in order.
     assert hashes == vllm_stored[:len(hashes)]
-    (removed,) = ours[1]
-    assert removed[0] == "BlockRemoved" and sorted(removed[1]) == sorted(hashes)
-    assert ours[2] == [["AllBlocksCleared", None, None, None, None]]
+    # The next turn's new blocks go on from the first turn's: the same parent as vLLM's
+    # own event for them (the first turn's last full block).
+    (turn,) = ours[1]
+    assert turn[0] == "BlockStored" and turn[1] and turn[2] == hashes[-1]
+    theirs_turn = [e for e in vllm_events if e[0] == "BlockStored" and turn[1][0] in e[1]]
+    assert theirs_turn and theirs_turn[0][2] == turn[2]
+    assert theirs_turn[0][1][theirs_turn[0][1].index(turn[1][0]):][:len(turn[1])] == turn[1]
+    (removed,) = ours[2]
+    assert removed[0] == "BlockRemoved" and sorted(removed[1]) == sorted(hashes + turn[1])
+    assert ours[3] == [["AllBlocksCleared", None, None, None, None]]
