@@ -55,6 +55,7 @@ class Commit(msgspec.Struct, array_like=True, tag="c"):
     slot: int
     depth: int
     checksums: list[int]
+    parent: bytes = b""  # the key before it in its chain (b"": unknown); added later
 
 
 class Drop(msgspec.Struct, array_like=True, tag="d"):
@@ -115,6 +116,7 @@ class LiveBlock:
     slot: int
     depth: int
     checksums: list[int]
+    parent: bytes = b""
 
 
 @dataclass
@@ -138,7 +140,7 @@ def replay(path: str) -> Replay:
         if isinstance(rec, Commit):
             blocks.pop(rec.slot, None)  # re-insert: keeps commit order
             blocks[rec.slot] = LiveBlock(rec.tenant, rec.key, rec.slot, rec.depth,
-                                         rec.checksums)
+                                         rec.checksums, rec.parent)
         elif isinstance(rec, Drop):
             blocks.pop(rec.slot, None)
         elif isinstance(rec, TenantRec):

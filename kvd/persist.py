@@ -127,7 +127,7 @@ class Persistence:
             for b, g in zip(blocks, good):
                 if not g:
                     continue
-                if index.restore(t, b.key, b.slot, b.depth, b.checksums):
+                if index.restore(t, b.key, b.slot, b.depth, b.checksums, b.parent or None):
                     rec.restored += 1
                 else:
                     rec.unplaceable += 1
@@ -136,8 +136,8 @@ class Persistence:
         out: list[Record] = [self.header]
         out += [TenantRec(t.id, t.digest, t.model, t.tp_size, list(t.rank_page_bytes))
                 for t in tenants]
-        out += [Commit(tid, key, slot, depth, sums)
-                for tid, key, slot, depth, sums in index.live_blocks()]
+        out += [Commit(tid, key, slot, depth, sums, parent or b"")
+                for tid, key, slot, depth, sums, parent in index.live_blocks()]
         return out
 
     # ------------------------------------------------------------ running
@@ -150,8 +150,8 @@ class Persistence:
             return
         events, index.events = index.events, []
         log.debug("journal: %d records", len(events))
-        self._write([Commit(e[1], e[2], e[3], e[4], list(e[5])) if e[0] == "commit"
-                     else Drop(e[1]) for e in events])
+        self._write([Commit(e[1], e[2], e[3], e[4], list(e[5]), e[6] or b"")
+                     if e[0] == "commit" else Drop(e[1]) for e in events])
 
     def _write(self, records: list[Record]) -> None:
         if self.journal is None:

@@ -124,9 +124,11 @@ class Service:
         return TenantInfo(t.model if t else "", self._block_tokens.get(tenant_id, 0))
 
     def _held(self) -> list[tuple]:
-        """Every READY block as a commit tuple (parent unknown), for the event stream."""
-        return [("commit", tid, key, slot, depth, sums, None)
-                for tid, key, slot, depth, sums in self.index.live_blocks()]
+        """Every READY block as a commit tuple, for the event stream: shallower first,
+        so a router meets each chain's parents before the blocks that name them."""
+        return [("commit", tid, key, slot, depth, sums, parent)
+                for tid, key, slot, depth, sums, parent
+                in sorted(self.index.live_blocks(), key=lambda b: b[3])]
 
     def _dispatch(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
         self.counters.requests += 1

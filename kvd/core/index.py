@@ -108,6 +108,10 @@ class Index:
         self._ready: dict[int, dict[bytes, int]] = {}
         self._touches: list[tuple[list[int], int]] = []  # hits not yet told to the policy
         self.checksums: dict[int, list[int]] = {}  # READY slot -> per-rank xxh3
+        # While recording: READY slot -> the key before it in its chain, when known (for
+        # the journal and the blocks re-announced after a flush or a warm restart). A
+        # freed slot's entry stays until the slot is committed again: bounded by slots.
+        self.parents: dict[int, bytes] = {}
         self.leased_by: dict[int, int] = {}  # owner -> blocks under its leases (quotas)
         self.pending_by: dict[int, int] = {}  # owner -> its PENDING blocks (quotas)
         # ("commit", tenant, key, slot, depth, sums, parent key | None)
@@ -398,9 +402,13 @@ class Index:
                     self.checksums[slot] = sums
         if self.record:  # the parent: the key before in the same Allocate, else the one
             sums_of = self.checksums.get  # its sender named before its first key
+            parents = [p.keys[d - p.depth - 1] if d > p.depth else p.parent
+                       for p, d in zip(owners, depths)]
+            self.parents.update(zip(slots, parents))
             self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []),
-                                p.keys[d - p.depth - 1] if d > p.depth else p.parent)
-                               for p, key, slot, d in zip(owners, keys, slots, depths))
+                                parent)
+                               for p, key, slot, d, parent in zip(owners, keys, slots, depths,
+                                                                  parents))
 
     def abort(self, slots: np.ndarray) -> int:
         """Drop PENDING slots (a failed or abandoned store); freed once unpinned."""
@@ -416,7 +424,7 @@ class Index:
         return n
 
     def restore(self, tenant: Tenant, key: bytes, slot: int, depth: int,
-                checksums: list[int]) -> bool:
+                checksums: list[int], parent: bytes | None = None) -> bool:
         """Put back a READY block found in the pool after a restart (already verified).
         False when the slot cannot be claimed (geometry changed, or already taken)."""
         if tenant.prefix + key in self.entries:
@@ -434,6 +442,7 @@ class Index:
         self.rank_mask[slot] = tenant.full_mask
         self._depth[slot] = depth
         self.checksums[slot] = list(checksums)
+        self.parents[slot] = parent  # type: ignore[assignment]  # None: not known
         tenant.blocks += 1
         self.allocator.fit(self.policy, self._capacity_bound)
         self.policy.insert(scoped, depth)
@@ -451,14 +460,16 @@ class Index:
                 n += 1
         return n
 
-    def live_blocks(self) -> list[tuple[int, bytes, int, int, list[int]]]:
-        """(tenant, key, slot, depth, checksums) of every READY block, for a snapshot."""
+    def live_blocks(self) -> list[tuple[int, bytes, int, int, list[int], bytes | None]]:
+        """(tenant, key, slot, depth, checksums, parent) of every READY block, for a
+        snapshot (in the order the policy learned them: a restart restores it)."""
         out = []
+        parent_of = self.parents.get
         for slot, key in self._slot_key.items():
             if self.state[slot] == READY:
                 t = self._slot_tenant[slot]
                 out.append((t.id, key[4:], slot, int(self._depth[slot]),
-                            self.checksums.get(slot, [])))
+                            self.checksums.get(slot, []), parent_of(slot)))
         return out
 
     # ------------------------------------------------------------ housekeeping

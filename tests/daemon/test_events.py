@@ -169,6 +169,45 @@ def test_a_store_that_goes_on_from_held_blocks_names_its_parent(events_daemon):
         sub.close()
 
 
+def chain_stored(events) -> list[tuple[list[int], int | None]]:
+    return [(e.block_hashes, e.parent_block_hash) for e in events if isinstance(e, BlockStored)]
+
+
+def test_blocks_announced_again_keep_their_parents(daemon_factory):
+    """After a flush (the blocks kept) and after a warm restart (the journal's), each
+    chain is announced again as it was stored: parents first, each block's parent the
+    one it had, so a router's prefix tree gets the same chain back."""
+    d = daemon_factory(*EVENTS, start=False)
+    d.env.update({"KVD_EVENTS_NODE": "node-a", "KVD_PERSIST": "true"})
+    d.start()
+    ks = [key(i) for i in range(4)]
+    eng = Engine(d.socket)
+    try:
+        eng.store(ks[:2])
+        eng.store(ks[2:], depth=2, parent=ks[1])
+        sub = Sub(endpoints(d)[0])
+        # A lease keeps the second part through a flush: it comes back with its parent.
+        lk = eng.sched.request(m.Lookup(eng.sched.next_req(), ks[2:], depth=2,
+                                        lease_ms=30_000))
+        assert lk.hits == 2
+        assert ctl.main(["--socket", d.socket, "flush"]) == 0
+        events = decode(sub.recv()[2]).events
+        assert events[0] == AllBlocksCleared()
+        assert chain_stored(events) == [([published(k) for k in ks[2:]], published(ks[1]))]
+        eng.sched.request(m.Release(eng.sched.next_req(), lk.lease))
+        sub.close()
+        eng.store(ks[:2])  # the whole chain again, in two parts
+        eng.store(ks[2:], depth=2, parent=ks[1])
+    finally:
+        eng.close()
+    d.restart()  # its first batch (before anyone subscribed): from the replay buffer
+    batches = replay(endpoints(d)[1], 0)
+    assert batches
+    events = decode(batches[0][2]).events
+    assert events[0] == AllBlocksCleared()
+    assert chain_stored(events) == [([published(k) for k in ks], None)]
+
+
 def test_raw_hashes_and_topic_template(daemon_factory):
     d = daemon_factory("--events-endpoint", "tcp://127.0.0.1:0", start=False)
     d.env.update(KVD_EVENTS_INT_HASHES="false", KVD_EVENTS_TOPIC="kvd/{node}/{tenant}",
