@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -15,3 +17,16 @@ def wait_for(pred: Callable[[], object], timeout: float) -> bool:
             return True
         time.sleep(0.02)
     return bool(pred())
+
+
+def child_exit(pid: int, timeout: float) -> int | None:
+    """A forked child's exit code, or None when it did not end within ``timeout``
+    seconds (it is then killed and reaped)."""
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return None
+    return os.waitstatus_to_exitcode(done[1])

@@ -18,7 +18,7 @@ from kvd_client import Connection, RemoteError, Timeout, Unavailable, host_regio
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32, unpack_u32
 from tests.daemon.workers import Spec, fingerprint
-from tests.waiting import wait_for
+from tests.waiting import child_exit, wait_for
 
 
 def test_absent_daemon_fails_fast(tmp_path):
@@ -201,14 +201,10 @@ def test_a_forked_child_fails_open_and_the_parent_goes_on(daemon):
             except BaseException:  # noqa: BLE001
                 code = 5
             os._exit(code)
-        deadline = time.monotonic() + 10
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        code = child_exit(pid, 10)
+        if code is None:
             pytest.fail("the forked child hung in a kvd call")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert code == 0
         assert c.request(m.Lookup(c.next_req(), [b"k"])).hits == 0  # the parent goes on
     finally:
         c.close()

@@ -43,7 +43,7 @@ from kvd_client.vllm.worker import KvdWorker, _HostPath  # noqa: E402
 from kvd_proto.ids import NO_SLOT  # noqa: E402
 from kvd_proto import messages as m  # noqa: E402
 from kvd_proto.messages import HostRegion  # noqa: E402
-from tests.waiting import wait_for  # noqa: E402
+from tests.waiting import child_exit, wait_for  # noqa: E402
 
 HIT, MISS, RETRY, PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                              LookupResult.HIT_PENDING)
@@ -783,13 +783,7 @@ def test_a_fork_child_of_an_engine_never_blocks_on_the_flush_lock():
         finally:
             os._exit(0)
     try:
-        deadline = time.monotonic() + 10
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+        assert child_exit(pid, 10) == 0  # None: it hung on the lock
     finally:
         release.set()
         t.join()
