@@ -339,7 +339,10 @@ class Service:
         # Only the first `room` keys may get slots (keys already stored take none).
         res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
                                   length=msg.length, now=now, pending_s=pending_s,
-                                  parent=msg.parent or None)
+                                  # a parent unlike the keys is not one of them: unknown
+                                  parent=(msg.parent if msg.keys
+                                          and len(msg.parent) == len(msg.keys[0]) else None),
+                                  chained=msg.chained)
         # What this evicted is copied down (and journaled) before a Transfer that
         # overtook the Allocate starts writing into the slots: add_ticket runs it now.
         self.commit()

@@ -191,6 +191,9 @@ class Allocate(_Msg, tag="allocate"):
     # The key before keys[0] in the request's chain (empty: keys[0] starts it, or the
     # sender does not know): the parent the KV events give the first stored block.
     parent: bytes = b""
+    # False: the keys are not one run of consecutive blocks (vLLM skips blocks of a
+    # sliding-window group), so none is the parent of the next.
+    chained: bool = True
 
 
 class Allocated(_Msg, tag="allocated"):

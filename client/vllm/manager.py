@@ -84,6 +84,14 @@ class _Req:
     loaded: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _LastStored:
+    """A request's last stored key and its end token (ReqContext state)."""
+
+    key: bytes
+    end: int | None
+
+
 class KvdManager(OffloadingManager):
     def __init__(self, options: KvdOptions, fingerprint: m.Fingerprint, facts: EngineFacts,
                  *, connection: Connection | None = None) -> None:
@@ -258,25 +266,35 @@ class KvdManager(OffloadingManager):
         pos = ctx.get_offload_key_position(key)  # end token of the key's block
         return max(0, pos // self.tokens_per_key - 1) if pos else 0
 
-    def _parent(self, ctx: ReqContext, key: bytes, depth: int) -> bytes:
-        """The request's key before ``key`` (b"" at the chain's start or when unknown),
-        for the KV events: a turn that goes on from stored blocks names its parent, as
-        vLLM's own events do. Found among the positions vLLM's scheduler recorded, in
-        C (the keys' list), and checked to end one block before ``key``."""
+    def _chain(self, ctx: ReqContext, keys: list[bytes], depth: int) -> tuple[bytes, bool]:
+        """For the KV events: the request's key before ``keys[0]`` (b"" at the chain's
+        start or when unknown), as vLLM's own events name it, and whether ``keys`` are
+        consecutive blocks (vLLM skips some in a sliding-window group). From the end
+        positions vLLM's scheduler recorded; the previous store's last key is tried
+        first, so a prompt stored in parts does not search the request each time."""
         positions = getattr(ctx, "_offload_key_positions", None)
-        if depth == 0 or not isinstance(positions, dict):
-            return b""
+        if not isinstance(positions, dict):
+            return b"", len(keys) == 1
+        step = self.tokens_per_key
+        ends = [positions.get(k) for k in keys]
+        chained = None not in ends and all(b - a == step for a, b in zip(ends, ends[1:]))
+        last = None
+        if hasattr(ctx, "set_state"):
+            last = ctx.get_state(_LastStored)
+            ctx.set_state(_LastStored(keys[-1], ends[-1]))
+        start = ends[0]
+        if depth == 0 or start is None:
+            return b"", chained
+        if last is not None and last.end == start - step and last.key in positions:
+            return last.key, chained
         order = list(positions)
         try:
-            i = order.index(key)
+            i = order.index(keys[0])
         except ValueError:
-            return b""
-        if i == 0:
-            return b""
-        parent = order[i - 1]
-        if positions[parent] != positions[key] - self.tokens_per_key:
-            return b""
-        return parent
+            return b"", chained
+        if i and positions[order[i - 1]] == start - step:
+            return order[i - 1], chained
+        return b"", chained
 
     def _length(self, ctx: ReqContext) -> int:
         """Blocks of the request so far (0: unknown). vLLM's scheduler records the end
@@ -358,10 +376,11 @@ class KvdManager(OffloadingManager):
         # workers name it one step later, when vLLM submits the store.
         ticket = next(self._tickets)
         depth = self._depth(ctx, keys[0])
+        parent, chained = self._chain(ctx, keys, depth)
         fut = self.conn.submit(m.Allocate(self.conn.next_req(), keys, depth=depth,
                                           pending_ms=self.options.pending_ms, ticket=ticket,
-                                          length=self._length(ctx),
-                                          parent=self._parent(ctx, keys[0], depth)))
+                                          length=self._length(ctx), parent=parent,
+                                          chained=chained))
         fut.add_done_callback(self._count_allocated)
         return PrepareStoreOutput(keys_to_store=keys,
                                   store_spec=KvdSlots(np.zeros(0), self.conn.instance, ticket),

@@ -165,6 +165,7 @@ class Evictor:
             for slot, r, t, key in zip(slots, is_ready, tenants, plain):
                 if r:
                     ix.checksums.pop(slot, None)
+                    ix.parents.pop(slot, None)
                     if ix.record:
                         ix.events.append(("drop", slot, t.id, key))
         if victims:
@@ -192,6 +193,7 @@ class Evictor:
         if ix.state[slot] == READY:
             t.blocks -= 1
             ix.checksums.pop(slot, None)
+            ix.parents.pop(slot, None)
             if ix.record:
                 ix.events.append(("drop", slot, t.id, key[4:]))
         ix.state[slot] = FREE

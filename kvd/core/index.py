@@ -54,6 +54,7 @@ class _Pending:
     keys: Sequence[bytes] = ()  # the call's keys, in chain order (parents, for events)
     depth: int = 0  # the depth of keys[0]
     parent: bytes | None = None  # the key before keys[0] in its chain, when known
+    chained: bool = True  # each key is the parent of the next
 
 
 @dataclass
@@ -109,8 +110,7 @@ class Index:
         self._touches: list[tuple[list[int], int]] = []  # hits not yet told to the policy
         self.checksums: dict[int, list[int]] = {}  # READY slot -> per-rank xxh3
         # While recording: READY slot -> the key before it in its chain, when known (for
-        # the journal and the blocks re-announced after a flush or a warm restart). A
-        # freed slot's entry stays until the slot is committed again: bounded by slots.
+        # the journal and the blocks re-announced after a flush or a warm restart).
         self.parents: dict[int, bytes] = {}
         self.leased_by: dict[int, int] = {}  # owner -> blocks under its leases (quotas)
         self.pending_by: dict[int, int] = {}  # owner -> its PENDING blocks (quotas)
@@ -268,9 +268,11 @@ class Index:
         now: float = 0.0,
         pending_s: float = 60.0,
         parent: bytes | None = None,
+        chained: bool = True,
     ) -> AllocateResult:
         """Slots for the keys not stored yet, evicting READY unpinned blocks if needed.
-        ``parent``: the key before ``keys[0]`` in its chain (for the KV events).
+        ``parent``: the key before ``keys[0]`` in its chain (for the KV events);
+        ``chained``: whether each key's parent is the key before it.
 
         Keys already present (PENDING or READY) get NO_SLOT. Allocation stops at the
         first key that finds no room; ``allocated`` says how many keys were answered.
@@ -309,7 +311,7 @@ class Index:
             self._slot_key.update(zip(got, scoped))
             self._slot_tenant.update(dict.fromkeys(got, tenant))
             self._pending.update(dict.fromkeys(
-                got, _Pending(owner, deadline, tenant, length, keys, depth, parent)))
+                got, _Pending(owner, deadline, tenant, length, keys, depth, parent, chained)))
             if fresh:
                 slots = got + slots[len(got):]
             else:
@@ -402,8 +404,8 @@ class Index:
                     self.checksums[slot] = sums
         if self.record:  # the parent: the key before in the same Allocate, else the one
             sums_of = self.checksums.get  # its sender named before its first key
-            parents = [p.keys[d - p.depth - 1] if d > p.depth else p.parent
-                       for p, d in zip(owners, depths)]
+            parents = [p.parent if d == p.depth else p.keys[d - p.depth - 1] if p.chained
+                       else None for p, d in zip(owners, depths)]
             self.parents.update(zip(slots, parents))
             self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []),
                                 parent)

@@ -16,6 +16,7 @@ import types
 
 import numpy as np
 import pytest
+import zmq
 
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
@@ -29,6 +30,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ScheduleEndContext,
 )
 
+from kvd.events import BlockStored, decode  # noqa: E402
 from kvd_client.vllm import UnsupportedVllmVersion, check_vllm_version  # noqa: E402
 from kvd_client.vllm.fingerprint import (  # noqa: E402
     EngineFacts,
@@ -788,3 +790,52 @@ def test_a_fork_child_of_an_engine_never_blocks_on_the_flush_lock():
         release.set()
         t.join()
         flush.close()
+
+
+# ------------------------------------------------ KV events: what a store says of its chain
+def test_stores_name_their_parent_and_whether_their_keys_are_consecutive(daemon_factory):
+    """The manager's Allocate names the request's key before the first one stored (a
+    prompt stored in two parts: the second part's parent is the first part's last key)
+    and says when vLLM skipped blocks in between (no key is then the next one's parent);
+    what the daemon publishes shows both."""
+    d = daemon_factory("--events-endpoint", "tcp://127.0.0.1:0")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(d.status()["events"]["endpoint"])
+    time.sleep(0.3)  # the subscription reaches the publisher
+    fp = make_fingerprint(FACTS, b"root")
+    mgr = KvdManager(options(d.socket), fp, FACTS)
+    worker = KvdWorker(options(d.socket), fp, kv_caches()[0], rank=0)
+    assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
+
+    def stored(keys: list[bytes], ctx: ReqContext, job_id: int) -> list[tuple]:
+        out = mgr.prepare_store(keys, ctx)
+        assert worker.submit_store(job_id, gpu(list(range(len(keys)))), out.store_spec)
+        worker.wait({job_id})
+        assert sub.poll(5000)
+        batch = decode(sub.recv_multipart()[2])
+        return [(e.block_hashes, e.parent_block_hash) for e in batch.events
+                if isinstance(e, BlockStored)]
+
+    def h(k: bytes) -> int:
+        return int.from_bytes(k[:-4], "big") & (2**64 - 1)
+
+    try:
+        keys = keys_for("chain", 7)
+        ctx = request("chain", keys)
+        mgr.on_new_request(ctx)
+        assert stored(keys[:3], ctx, 1) == [([h(k) for k in keys[:3]], None)]
+        assert stored(keys[3:5], ctx, 2) == [([h(k) for k in keys[3:5]], h(keys[2]))]
+        other = request("other", keys)  # a new request: found by searching its keys
+        mgr.on_new_request(other)
+        assert stored(keys[5:6], other, 3) == [([h(keys[5])], h(keys[4]))]
+        gap = keys_for("gap", 4)
+        gappy = request("gappy", gap)
+        mgr.on_new_request(gappy)
+        assert stored([gap[1], gap[3]], gappy, 4) == [  # vLLM skipped gap[2]
+            ([h(gap[1])], h(gap[0])), ([h(gap[3])], None)]
+    finally:
+        mgr.shutdown()
+        worker.shutdown()
+        sub.close(linger=0)

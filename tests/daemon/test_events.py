@@ -74,9 +74,10 @@ class Engine:
         self.worker = Worker(self.spec)
         self.event = 0
 
-    def store(self, keys: list[bytes], depth: int = 0, parent: bytes = b"") -> m.Allocated:
+    def store(self, keys: list[bytes], depth: int = 0, parent: bytes = b"",
+              chained: bool = True) -> m.Allocated:
         r = self.sched.request(m.Allocate(self.sched.next_req(), keys, depth=depth,
-                                          parent=parent))
+                                          parent=parent, chained=chained))
         pairs = [(i % self.spec.num_blocks, s) for i, s in enumerate(unpack_u32(r.slots))
                  if s != NO_SLOT]
         if pairs:
@@ -160,6 +161,13 @@ def test_a_store_that_goes_on_from_held_blocks_names_its_parent(events_daemon):
         (ev,) = decode(sub.recv()[2]).events
         assert ev.block_hashes == [published(k) for k in ks[6:]]
         assert ev.parent_block_hash is None
+        # Keys that are not consecutive blocks: none is the next one's parent.
+        gappy = [key(i) for i in (20, 22)]
+        eng.store(gappy, depth=8, parent=ks[7], chained=False)
+        assert chain_stored(decode(sub.recv()[2]).events) == [
+            ([published(gappy[0])], published(ks[7])), ([published(gappy[1])], None)]
+        eng.store([key(30)], depth=10, parent=b"short")  # unlike a key: unknown
+        assert chain_stored(decode(sub.recv()[2]).events) == [([published(key(30))], None)]
         with pytest.raises(RemoteError) as bad:  # typed, and nothing allocated
             eng.store([key(9)], depth=8, parent=b"p" * 2000)
         assert bad.value.code == m.Code.BAD_REQUEST
