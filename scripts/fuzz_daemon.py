@@ -108,7 +108,9 @@ class Fuzzer:
         if kind == "allocate":
             keys = [rng.randbytes(36) for _ in range(rng.randrange(0, 8))]
             return kind, [m.encode(m.Allocate(req, keys, rng.randrange(-5, 5),
-                                              rng.randrange(-10, 10**7)))]
+                                              rng.randrange(-10, 10**7),
+                                              parent=rng.randbytes(rng.choice((0, 3, 36, 2000))),
+                                              chained=rng.random() < 0.5))]
         if kind == "torn_ids":
             return kind, [m.encode(m.Transfer(req, req, 1, b"\x01\x02\x03", b"\x04"))]
         # huge: too many keys, or a million ids
