@@ -124,11 +124,27 @@ class Service:
         return TenantInfo(t.model if t else "", self._block_tokens.get(tenant_id, 0))
 
     def _held(self) -> list[tuple]:
-        """Every READY block as a commit tuple, for the event stream: shallower first,
-        so a router meets each chain's parents before the blocks that name them."""
-        return [("commit", tid, key, slot, depth, sums, parent)
-                for tid, key, slot, depth, sums, parent
-                in sorted(self.index.live_blocks(), key=lambda b: b[3])]
+        """Every READY block as a commit tuple, for the event stream: chain by chain,
+        each block after its parent (depth first, so a chain stays one BlockStored)."""
+        blocks = self.index.live_blocks()
+        held = {(b[0], b[1]) for b in blocks}
+        children: dict[tuple[int, bytes], list[tuple]] = {}
+        roots = []
+        for b in sorted(blocks, key=lambda b: b[3]):
+            if b[5] is not None and (b[0], b[5]) in held:
+                children.setdefault((b[0], b[5]), []).append(b)
+            else:
+                roots.append(b)
+        out = []
+        stack = roots[::-1]
+        while stack:
+            b = stack.pop()
+            out.append(("commit", *b))
+            stack.extend(children.get((b[0], b[1]), ())[::-1])
+        if len(out) < len(blocks):  # parents in a cycle (a raw client's): still announced
+            seen = {(c[1], c[2]) for c in out}
+            out += [("commit", *b) for b in blocks if (b[0], b[1]) not in seen]
+        return out
 
     def _dispatch(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
         self.counters.requests += 1

@@ -120,6 +120,7 @@ class _Probe:
     reply: m.LookupOk
     send: Callable[[m.LookupOk], None]
     answered: bool = False
+    parent: bytes | None = None  # the key before keys[0], when the Lookup named it
 
 
 class Tiering:
@@ -290,7 +291,8 @@ class Tiering:
         if disk is not None:
             run = disk.contains(tenant.digest.encode(), rest)
             if run:
-                found = self._promote("disk", tenant, rest[:run], depth + start)
+                found = self._promote("disk", tenant, rest[:run], depth + start,
+                                      keys[start - 1] if start else None)
                 if found < run:  # no room for all: no point asking further
                     return _with_pending(reply, found)
         remote = self.tiers.get("remote")
@@ -301,7 +303,8 @@ class Tiering:
             return _with_pending(reply, found)
         self.probes += 1
         probe = _Probe(tenant, rest[found:], depth + start + found,
-                       _with_pending(reply, found), send)
+                       _with_pending(reply, found), send,
+                       parent=keys[start + found - 1] if start + found else None)
         ns = tenant.digest.encode()
         self.readers["remote"].submit(lambda: remote.contains(ns, probe.keys),
                                       lambda run, err: self._probed(probe, run, err))
@@ -316,7 +319,8 @@ class Tiering:
         if error is not None:
             self._tier_error("remote", error)
             run = 0
-        got = self._promote("remote", probe.tenant, probe.keys[:run], probe.depth) if run else 0
+        got = (self._promote("remote", probe.tenant, probe.keys[:run], probe.depth,
+                             probe.parent) if run else 0)
         if not probe.answered:
             probe.answered = True
             probe.send(_with_pending(probe.reply, probe.reply.pending + got))
@@ -328,12 +332,13 @@ class Tiering:
             self.counters.probe_timeouts += 1
             probe.send(probe.reply)
 
-    def _promote(self, name: str, tenant: Tenant, keys: list[bytes], depth: int) -> int:
+    def _promote(self, name: str, tenant: Tenant, keys: list[bytes], depth: int,
+                 parent: bytes | None = None) -> int:
         """PENDING, pinned slots for the leading ``keys`` that find room, filled by the
-        tier's reader; returns how many."""
+        tier's reader; returns how many. ``parent``: the key before them (KV events)."""
         ix = self.index
         res = ix.allocate(tenant, keys, owner=PROMOTER, depth=depth, now=self.clock(),
-                          pending_s=PROMOTE_S)
+                          pending_s=PROMOTE_S, parent=parent)
         self.committed()  # what this evicted goes down (and is journaled) before the read
         got = res.slots
         n = got.index(NO_SLOT) if NO_SLOT in got else len(got)

@@ -206,6 +206,8 @@ def test_blocks_announced_again_keep_their_parents(daemon_factory):
         sub.close()
         eng.store(ks[:2])  # the whole chain again, in two parts
         eng.store(ks[2:], depth=2, parent=ks[1])
+        other = [key(i) for i in range(10, 13)]  # and another chain beside it
+        eng.store(other)
     finally:
         eng.close()
     d.restart()  # its first batch (before anyone subscribed): from the replay buffer
@@ -213,7 +215,36 @@ def test_blocks_announced_again_keep_their_parents(daemon_factory):
     assert batches
     events = decode(batches[0][2]).events
     assert events[0] == AllBlocksCleared()
-    assert chain_stored(events) == [([published(k) for k in ks], None)]
+    assert sorted(chain_stored(events)) == sorted([  # one event per chain
+        ([published(k) for k in ks], None), ([published(k) for k in other], None)])
+
+
+def test_blocks_promoted_from_disk_name_the_block_before_them(daemon_factory, tmp_path):
+    d = daemon_factory(*EVENTS, "--pool-size", "2M", "--extent-size", "1M",  # 170 blocks
+                       "--policy", "lru", "--disk-path", str(tmp_path / "disk"),
+                       "--disk-size", "8M")
+    ks = [key(i) for i in range(4)]
+    eng = Engine(d.socket)
+    sub = Sub(endpoints(d)[0])
+    try:
+        eng.store(ks[:2])
+        eng.store(ks[2:], depth=2, parent=ks[1])
+        for part in range(4):  # others push the chain out of RAM, down to the disk
+            eng.store([key(1000 + 64 * part + i) for i in range(64)])
+        st = d.wait_counter("demoted_blocks", 4)
+        assert d.status()["blocks"]["ready"] <= 170
+        assert st["counters"]["demoted_blocks"] >= 4
+        eng.store(ks[:2])  # the first two back in RAM; the rest only on disk
+        while not sub.quiet(0.3):
+            sub.recv()
+        r = eng.sched.request(m.Lookup(eng.sched.next_req(), ks))
+        assert (r.hits, r.pending) == (2, 2)  # the last two come up from the disk
+        promoted = [c for _ in range(3) if not sub.quiet(1.0)
+                    for c in chain_stored(decode(sub.recv()[2]).events)]
+        assert promoted == [([published(k) for k in ks[2:]], published(ks[1]))]
+    finally:
+        eng.close()
+        sub.close()
 
 
 def test_raw_hashes_and_topic_template(daemon_factory):
