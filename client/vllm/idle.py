@@ -39,7 +39,6 @@ class IdleFlush:
         self._cv = threading.Condition()
         self._due: float | None = None  # when to flush, while stores wait and no step ran
         self._closed = False
-        self.flushed = 0  # store jobs submitted from here
         self._thread = threading.Thread(target=self._run, name="kvd-idle-flush",
                                         daemon=True)
         self._thread.start()
@@ -82,13 +81,12 @@ class IdleFlush:
                 self._due = None
                 deferred = self._deferred()
                 worker = self._cw.worker
+                if not deferred:
+                    continue
                 # As vLLM submits them; kvd's submit_store never raises (its boundary).
                 for job_id, src, dst in deferred:
                     worker.submit_store(job_id, src, dst)
-                self.flushed += len(deferred)
-                count = getattr(getattr(worker, "boundary", None), "count", None)
-                if count is not None and deferred:
-                    count("store.idle_flushed", len(deferred))
+                worker.boundary.count("store.idle_flushed", len(deferred))
                 deferred.clear()
 
 

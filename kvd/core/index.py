@@ -111,7 +111,7 @@ class Index:
         self.checksums: dict[int, list[int]] = {}  # READY slot -> per-rank xxh3
         # While recording: READY slot -> the key before it in its chain, when known (for
         # the journal and the blocks re-announced after a flush or a warm restart).
-        self.parents: dict[int, bytes] = {}
+        self.parents: dict[int, bytes | None] = {}
         self.leased_by: dict[int, int] = {}  # owner -> blocks under its leases (quotas)
         self.pending_by: dict[int, int] = {}  # owner -> its PENDING blocks (quotas)
         # ("commit", tenant, key, slot, depth, sums, parent key | None)
@@ -444,7 +444,7 @@ class Index:
         self.rank_mask[slot] = tenant.full_mask
         self._depth[slot] = depth
         self.checksums[slot] = list(checksums)
-        self.parents[slot] = parent  # type: ignore[assignment]  # None: not known
+        self.parents[slot] = parent
         tenant.blocks += 1
         self.allocator.fit(self.policy, self._capacity_bound)
         self.policy.insert(scoped, depth)
