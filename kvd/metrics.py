@@ -154,14 +154,19 @@ class StatusCollector(Collector):
         rejected = CounterMetricFamily("kvd_tier_rejected_blocks", "Blocks a tier answered "
                                        "with an error when written (a full cluster...)",
                                        labels=["tier"])
+        masters = GaugeMetricFamily("kvd_tier_masters_down", "Cluster masters skipped after "
+                                    "failing in a row (their keys read as misses)",
+                                    labels=["tier"])
         for name, t in sorted(tiers.items()):
             for fam, key in ((blocks, "blocks"), (used, "bytes"), (cap, "capacity_bytes"),
                              (rejected, "rejected_blocks")):
                 if isinstance(t.get(key), int):
                     fam.add_metric([name], t[key])
+            if isinstance(t.get("masters_down"), list):
+                masters.add_metric([name], len(t["masters_down"]))
             down = t.get("state") in ("open", "half_open") or t.get("consecutive_failures")
             up.add_metric([name], 0 if down else 1)
-        yield from (blocks, used, cap, up, rejected)
+        yield from (blocks, used, cap, up, rejected, masters)
 
     @staticmethod
     def _counters(c: dict[str, Any]) -> Iterator[Metric]:

@@ -108,10 +108,12 @@ def tiers_lines(st: dict[str, Any]) -> list[str]:
     if "remote" in tiers:
         r = tiers["remote"]
         refused = f"  refused {r['rejected_blocks']}" if r.get("rejected_blocks") else ""
-        lines.append(f"remote   {r.get('state', '?')}  written {r.get('written_blocks', 0)}  "
-                     f"read {r.get('read_blocks', 0)}  corrupt {r.get('corrupt_blocks', 0)}"
-                     f"{refused}  errors {r.get('errors', 0)}  {r.get('urls', '')}"
-                     + _last_error(r))
+        down = r.get("masters_down") or []
+        masters = f"  masters down: {' '.join(down)}" if down else ""
+        lines.append(f"remote   {r.get('state', '?')}{masters}  written "
+                     f"{r.get('written_blocks', 0)}  read {r.get('read_blocks', 0)}  corrupt "
+                     f"{r.get('corrupt_blocks', 0)}{refused}  errors {r.get('errors', 0)}  "
+                     f"{r.get('urls', '')}" + _last_error(r))
     if tiers:
         lines.append(f"tiering  demoted {c.get('demoted_blocks', 0)} (dropped "
                      f"{c.get('demote_dropped', 0)})  written behind "
@@ -124,7 +126,8 @@ def tiers_lines(st: dict[str, Any]) -> list[str]:
 
 def _last_error(tier: dict[str, Any]) -> str:
     """A failing tier's last error (while it is failing), so the operator sees why."""
-    if tier.get("consecutive_failures") and tier.get("last_error"):
+    failing = tier.get("consecutive_failures") or tier.get("masters_down")
+    if failing and tier.get("last_error"):
         return f"\n         last error: {tier['last_error']}"
     return ""
 

@@ -4,44 +4,33 @@ Keys are ``kvd:<ns>:<key>`` with no hash tag, so one tenant's blocks spread over
 masters; values are ``BlockHeader.pack() + payload``, so a torn, stale or foreign value
 reads as a miss. A single non-cluster server works too (``INFO cluster`` decides).
 
-Every call is a few pipelines, one per master owning the batch's keys, each sent on
-that master's own (thread-safe) client, with no retries anywhere: a dead or hung node
-costs one socket timeout and a ``TierError`` naming it, never redis-py's retry loops
-(its cluster pipeline would resend each failed command alone, a timeout apiece). A
-slot that moved (MOVED/ASK) is re-sent alone through the cluster client, which follows
-the redirect and patches its slot map. A failure drops the client, so the next call
-rediscovers the topology (a failover); a breaker stops calling a cluster that is down.
+Every call is a few pipelines, one per master owning the batch's keys, with no retries
+(``pipelines.py``): a dead or hung master costs one timeout.
+
+One master down is not the cluster down: a cluster that serves the slots it still
+covers (``cluster-require-full-coverage no``, or the seconds before a failover) keeps
+serving kvd, the dead master's keys reading as misses and its puts as declined. A
+breaker per master stops calling one that keeps failing; the tier's own breaker opens
+when no master answers. A master's failure refreshes the slot map in place (a
+failover); a failure of the whole cluster drops the client.
 """
 
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (
-    AskError,
-    ClusterDownError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from kvd.errors import BreakerOpen, ConfigError, TierError
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
+from kvd.tiers.pipelines import Client, Command, describe, no_retry, pipelined
 
-Client = redis.Redis | RedisCluster
-Command = tuple[Any, ...]
 # What makes a call fail (and count against the breaker), as opposed to one bad block.
 _FAILURES = (RedisError, RedisClusterException, OSError)
 # A round trip's deadline: ``remote_timeout_ms`` plus its value bytes at this rate. Each
@@ -108,6 +97,7 @@ class RedisTier(Tier):
         self.written_blocks = self.read_blocks = self.corrupt_blocks = self.errors = 0
         self.rejected_blocks = 0  # puts the cluster answered with an error (OOM...)
         self.last_error = ""
+        self._masters: dict[str, _NodeBreaker] = {}  # by "host:port", as redis-py names
 
     # ------------------------------------------------------------ the Tier API
     def put(self, ns: bytes, blocks: Sequence[TierBlock]) -> int:
@@ -128,12 +118,14 @@ class RedisTier(Tier):
                     return kept
                 raise
             ok = sum(r is True for r in replies)
-            refused = [r for r in replies if isinstance(r, Exception)]
+            # (a master that failed or is skipped leaves TierErrors: declined, not refused)
+            refused = [r for r in replies if isinstance(r, Exception)
+                       and not isinstance(r, TierError)]
             with self._lock:
                 self.written_blocks += ok
                 if refused:  # OOM, READONLY...: the cluster is up but keeps nothing
                     self.rejected_blocks += len(refused)
-                    self.last_error = f"redis put: {_describe(refused[0])}"
+                    self.last_error = f"redis put: {describe(refused[0])}"
             kept += ok
         return kept
 
@@ -146,6 +138,8 @@ class RedisTier(Tier):
             cmds = [("STRLEN", _name(ns, k)) for k in chunk]
             for key, size in zip(chunk, self._call("contains", cmds)):
                 if not isinstance(size, int) or size <= HEADER_BYTES:
+                    if isinstance(size, TierError):  # its master is down: a miss
+                        return run
                     if isinstance(size, Exception) or size:  # not a block: forgotten
                         self._forget(ns, key)
                     return run
@@ -167,7 +161,7 @@ class RedisTier(Tier):
                 raise
             got = 0
             for key, value, out in zip(chunk, values, outs[start:start + len(chunk)]):
-                if not isinstance(value, bytes):  # missing, or a per-key error
+                if not isinstance(value, bytes):  # missing, a per-key error, master down
                     if isinstance(value, ResponseError):  # WRONGTYPE: not a block
                         self._forget(ns, key)
                     break
@@ -205,7 +199,9 @@ class RedisTier(Tier):
                     "written_blocks": self.written_blocks, "read_blocks": self.read_blocks,
                     "corrupt_blocks": self.corrupt_blocks,
                     "rejected_blocks": self.rejected_blocks, "errors": self.errors,
-                    "consecutive_failures": self._failures, "last_error": self.last_error}
+                    "consecutive_failures": self._failures, "last_error": self.last_error,
+                    "masters_down": sorted(n for n, b in self._masters.items()
+                                           if b.opened_at is not None)}
 
     def close(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -235,10 +231,11 @@ class RedisTier(Tier):
         with self._lock:
             self._failures, self._opened_at, self._trial = 0, None, False
 
-    def _failed(self, error: TierError) -> None:
+    def _failed(self, error: TierError, counted: bool = False) -> None:
+        """A failed call; ``counted``: its round trips are in ``errors`` already."""
         with self._lock:
             self._failures += 1
-            self.errors += 1
+            self.errors += 0 if counted else 1
             self.last_error = str(error)
             if self._trial or self._failures >= self.breaker_failures:
                 self._opened_at = self.clock()
@@ -248,27 +245,77 @@ class RedisTier(Tier):
             # a TierError); it closes its connections once nobody holds it.
             self._client = None
 
+    # ------------------------------------------------------------ one breaker per master
+    def _skipped(self, name: str) -> bool:
+        """Whether master ``name``'s breaker says not to call it now. Past its cooldown
+        every call may try it (no single trial: a master is a few threads' worth)."""
+        with self._lock:
+            b = self._masters.get(name)
+            return (b is not None and b.opened_at is not None
+                    and self.clock() - b.opened_at < self.breaker_cooldown_s)
+
+    def _masters_answered(self, answered: set[str], failed: dict[str, TierError]) -> None:
+        with self._lock:
+            for name in answered:
+                self._masters.pop(name, None)
+            for name, error in failed.items():
+                b = self._masters.setdefault(name, _NodeBreaker())
+                b.failures += 1
+                if b.failures >= self.breaker_failures:
+                    b.opened_at = self.clock()
+                self.last_error = str(error)
+            if failed:
+                self.errors += 1  # calls that failed, in part or whole
+
     def _call(self, what: str, cmds: list[Command], nbytes: int = 0) -> list[Any]:
         """``cmds`` (one key each, at ``[1]``) sent through the breaker; their replies in
-        order, per-key errors (OOM, ...) as exception objects. A round trip carrying
-        ``nbytes`` of values ends within the timeout plus their time at MIN_BYTES_PER_S."""
+        order, per-key errors (OOM, ...) as exception objects, and a ``TierError`` for
+        each key whose master failed or is skipped. TierError when no master of the
+        cluster answers. A round trip carrying ``nbytes`` of values ends within the
+        timeout plus their time at MIN_BYTES_PER_S."""
         self._admit(what)
         try:
-            results = _pipelined(self._connected(), cmds,
-                                 self.timeout_s + nbytes / MIN_BYTES_PER_S)
+            client = self._connected()
+            results, answered, failed = pipelined(
+                client, cmds, self.timeout_s + nbytes / MIN_BYTES_PER_S, self._skipped)
         except TierError as e:
             self._failed(e)
             raise
         except _FAILURES as e:
-            error = TierError(f"redis {what}: {_describe(e)}")
+            error = TierError(f"redis {what}: {describe(e)}")
             self._failed(error)
             raise error from e
         except BaseException:
             with self._lock:  # not the cluster's fault: no verdict on it
                 self._trial = False
             raise
-        self._succeeded()
+        self._masters_answered(answered, failed)
+        if answered and failed:
+            self._refresh(client)
+        if answered or not cmds:
+            self._succeeded()
+        elif failed and self._all_down(client, failed):  # the cluster is down
+            error = next(iter(failed.values()))
+            self._failed(error, counted=True)
+            raise error
+        else:  # only masters known (or just found) down were asked: no verdict on it
+            with self._lock:
+                self._trial = False
         return results
+
+    def _refresh(self, client: Client) -> None:
+        """Look up the slots again (a failover moves them), keeping the client: a new
+        one asks a random master for ``COMMAND`` first, which fails while one is down."""
+        try:
+            client.nodes_manager.initialize()  # type: ignore[union-attr]
+        except _FAILURES:
+            with self._lock:
+                if self._client is client:
+                    self._client = None
+
+    def _all_down(self, client: Client, failed: dict[str, TierError]) -> bool:
+        """Whether every master of the cluster failed in this call or is skipped."""
+        return all(n.name in failed or self._skipped(n.name) for n in client.get_primaries())
 
     def _forget(self, ns: bytes, key: bytes) -> None:
         """Count and delete a value that failed verification (best effort)."""
@@ -278,7 +325,7 @@ class RedisTier(Tier):
         if client is None:
             return
         try:
-            _pipelined(client, [("DEL", _name(ns, key))])
+            pipelined(client, [("DEL", _name(ns, key))], skip=self._skipped)
         except (TierError, *_FAILURES):
             pass  # it stays a miss; its TTL or the cluster's eviction removes it
 
@@ -301,8 +348,8 @@ class RedisTier(Tier):
         opts: dict[str, Any] = {"socket_timeout": self.timeout_s,
                                 "socket_connect_timeout": self.timeout_s}
         error: Exception | None = None
-        for host, port in self.nodes:
-            node = redis.Redis(host=host, port=port, retry=_no_retry(), **opts)
+        for host, port in sorted(self.nodes, key=lambda n: self._skipped(f"{n[0]}:{n[1]}")):
+            node = redis.Redis(host=host, port=port, retry=no_retry(), **opts)
             try:
                 enabled = bool(node.info("cluster").get("cluster_enabled"))
             except ResponseError:  # INFO not allowed (ACL): let the cluster client try
@@ -315,8 +362,13 @@ class RedisTier(Tier):
                 return node, False
             node.close()
             startup = [ClusterNode(h, p) for h, p in self.nodes]
-            return RedisCluster(startup_nodes=startup, retry=_no_retry(), **opts), True
-        raise TierError(f"redis: no node of {self.urls} answered ({_describe(error)})")
+            for _ in self.nodes:  # it asks a random master for COMMAND: one may be down
+                try:
+                    return RedisCluster(startup_nodes=startup, retry=no_retry(), **opts), True
+                except _FAILURES as e:
+                    error = e
+            break
+        raise TierError(f"redis: no node of {self.urls} answered ({describe(error)})")
 
 
 # ---------------------------------------------------------------- helpers
@@ -341,118 +393,11 @@ def _copy_verified(ns: bytes, key: bytes, value: bytes, out: Any) -> bool:
     return True
 
 
-def _pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0) -> list[Any]:
-    """One pipeline per node owning some of ``cmds``' keys; replies in ``cmds``' order.
-    Each node's round trip is cut after ``budget_s`` (0: only the socket timeout)."""
-    if not isinstance(client, RedisCluster):
-        kw = client.get_connection_kwargs()
-        return _execute(client, cmds, f"{kw.get('host')}:{kw.get('port')}", budget_s)
-    groups: dict[str, tuple[ClusterNode, list[int]]] = {}
-    for i, cmd in enumerate(cmds):
-        node = client.get_node_from_key(cmd[1])
-        groups.setdefault(node.name, (node, []))[1].append(i)
-    results: list[Any] = [None] * len(cmds)
-    for name, (node, idx) in groups.items():
-        replies = _execute(client.get_redis_connection(node), [cmds[i] for i in idx], name,
-                           budget_s)
-        for i, reply in zip(idx, replies):
-            results[i] = reply
-    for i, reply in enumerate(results):
-        if isinstance(reply, (AskError, TryAgainError)):  # MOVED is an AskError
-            try:
-                results[i] = client.execute_command(*cmds[i])
-            except ResponseError as e:  # one key's error (WRONGTYPE, OOM), as above
-                if isinstance(e, ClusterDownError):
-                    raise
-                results[i] = e
-    return results
+class _NodeBreaker:
+    """One master's consecutive failures, and since when it is skipped."""
 
+    __slots__ = ("failures", "opened_at")
 
-def _execute(node: redis.Redis, cmds: list[Command], where: str,
-             budget_s: float = 0.0) -> list[Any]:
-    pipe = node.pipeline(transaction=False)
-    for cmd in cmds:
-        pipe.execute_command(*cmd)
-    watchdog: _Watchdog | None = None
-    pool = node.connection_pool
-    try:
-        if budget_s > 0:  # this call's own connection, kept from the pool until the
-            # watchdog is cancelled: it must never cut a connection another call took
-            pipe.connection = pool.get_connection()
-            pipe.connection_pool = _Held(pool)
-            watchdog = _Watchdog(pipe.connection, budget_s)
-        replies = pipe.execute(raise_on_error=False)
-    except (RedisConnectionError, RedisTimeoutError) as e:
-        if watchdog is not None and watchdog.fired:
-            raise TierError(f"redis node {where}: no whole reply within {budget_s:.2f}s "
-                            "(a slow link)") from e
-        raise TierError(f"redis node {where}: {_describe(e)}") from e
-    finally:
-        if watchdog is not None:
-            conn = watchdog.cancel()
-            pipe.reset()  # (into _Held)
-            if watchdog.fired:
-                conn.disconnect()  # its socket is shut: the pool reconnects it
-            pool.release(conn)
-        else:
-            pipe.reset()  # gives the connection back (execute did, unless it never ran)
-    for reply in replies:
-        if isinstance(reply, ClusterDownError):  # and MASTERDOWN
-            raise TierError(f"redis node {where}: cluster down ({reply})")
-    return replies
-
-
-class _Held:
-    """A connection pool whose ``release`` only holds the connection: the caller gives
-    it back once its watchdog can no longer fire."""
-
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
-
-    def release(self, conn: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)
-
-
-class _Watchdog:
-    """Shuts a connection's socket down if its call outlives ``budget_s``: the blocked
-    read then fails, where a socket timeout would not fire as long as some bytes keep
-    coming. The connection stays the call's until ``cancel``."""
-
-    def __init__(self, conn: Any, budget_s: float) -> None:
-        self.conn = conn
-        self._sock = getattr(conn, "_sock", None)  # redis-py's socket of this connection
-        self._lock = threading.Lock()
-        self.fired = self._done = False
-        self._timer = threading.Timer(budget_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        with self._lock:
-            if self._done or self._sock is None:
-                return
-            self.fired = True
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def cancel(self) -> Any:
-        """No firing from now on; the connection, for the caller to give back."""
-        with self._lock:
-            self._done = True
-        self._timer.cancel()
-        return self.conn
-
-
-def _no_retry() -> Retry:
-    """redis-py retries up to 10 times with backoff by default (5.x/6.x+): a failing call
-    would take seconds; the breaker decides what happens next instead."""
-    return Retry(NoBackoff(), 0)
-
-
-def _describe(error: BaseException | None) -> str:
-    return f"{type(error).__name__}: {error}" if error is not None else "no node given"
+    def __init__(self) -> None:
+        self.failures = 0
+        self.opened_at: float | None = None

@@ -313,38 +313,118 @@ def test_a_read_that_fails_midway_keeps_the_batches_read_before(redis_cluster, m
     t.close()
 
 
-def test_a_hung_node_costs_a_timeout_naming_it(redis_cluster):
+def _gauges(status: dict) -> dict[str, float]:
+    from kvd.metrics import StatusCollector
+
+    return {f.name: f.samples[0].value for f in StatusCollector._tiers({"remote": status})
+            if f.name in ("kvd_tier_up", "kvd_tier_masters_down")}
+
+
+def _later_master(raw: redis.RedisCluster, cluster, ns: bytes, keys: list[bytes]):
+    """A master that does not own ``keys[0]``, and the index of its first key."""
+    owners = [raw.get_node_from_key(_key(ns, k)).port for k in keys]
+    node = next(n for n in cluster.nodes if n.port != owners[0] and n.port in owners)
+    return node, owners.index(node.port)
+
+
+def test_a_hung_master_costs_one_timeout_and_ends_the_run_at_its_first_key(redis_cluster,
+                                                                            raw):
     ns, blocks = _ns(), _blocks(64)
     keys = [b.key for b in blocks]
+    node, first = _later_master(raw, redis_cluster, ns, keys)
     with closing(RedisTier(redis_cluster.url, timeout_ms=200)) as t:
         assert t.put(ns, blocks) == 64
-        node = redis_cluster.nodes[1]
         os.kill(node.proc.pid, signal.SIGSTOP)  # accepts connections, never answers
         try:
             t0 = time.monotonic()
-            with pytest.raises(TierError, match=str(node.port)):
-                t.get_into(ns, keys, _outs(64))
+            outs = _outs(64)
+            assert t.get_into(ns, keys, outs) == first  # the other masters' run
             assert time.monotonic() - t0 < 1.0  # one timeout, not one per key
+            assert all(np.array_equal(o, b.data) for o, b in zip(outs[:first], blocks))
+            assert all((o == SENTINEL).all() for o in outs[first:])
+            st = t.status()
+            assert str(node.port) in st["last_error"] and st["errors"] == 1
+            # The cluster answered: its breaker stays shut.
+            assert (st["consecutive_failures"], st["state"]) == (0, "closed")
         finally:
             os.kill(node.proc.pid, signal.SIGCONT)
         redis_cluster.wait_ok()
         assert t.contains(ns, keys) == 64
-        assert t.status()["state"] == "closed"
+        assert t.status()["state"] == "closed" and t.status()["masters_down"] == []
 
+
+def test_one_master_down_leaves_the_others_serving(redis_cluster, raw):
+    """A cluster that serves the slots it still covers (full coverage off: a cache's
+    usual setting) serves kvd too. Before, any batch with one key on the dead master
+    failed whole, and the tier's breaker shut the whole cluster off."""
+    now = [1000.0]
+    t = RedisTier(redis_cluster.url, timeout_ms=200, breaker_failures=3,
+                  breaker_cooldown_s=5.0, clock=lambda: now[0])
+    ns, blocks = _ns(), _blocks(64)
+    keys = [b.key for b in blocks]
+    node, first = _later_master(raw, redis_cluster, ns, keys)
+    name = f"127.0.0.1:{node.port}"
+    assert t.put(ns, blocks) == 64
+    for i in range(3):
+        redis_cluster.node_cli(i, "CONFIG", "SET", "cluster-require-full-coverage", "no")
+    node.stop()
+    try:
+        for call in range(3):  # three failures open the master's own breaker
+            outs = _outs(64)
+            assert t.get_into(ns, keys, outs) == first
+            assert all(np.array_equal(o, b.data) for o, b in zip(outs[:first], blocks))
+            assert t.status()["masters_down"] == ([name] if call == 2 else [])
+        assert t.contains(ns, keys) == first
+        st = t.status()
+        assert (st["state"], st["errors"], st["corrupt_blocks"]) == ("closed", 3, 0)
+        assert name in st["last_error"]
+        assert _gauges(st) == {"kvd_tier_up": 1, "kvd_tier_masters_down": 1}
+        from kvd.cli.render import tiers_lines
+
+        line = "\n".join(tiers_lines({"tiers": {"remote": st}, "counters": {}}))
+        assert f"remote   closed  masters down: {name}  " in line
+        assert f"last error: {st['last_error']}" in line
+        # Skipped now: no more failures, and its keys are misses, never errors.
+        fresh = _blocks(32, seed=1, prefix="f")
+        live = [b for b in fresh
+                if raw.get_node_from_key(_key(ns, b.key)).port != node.port]
+        dead = [b for b in fresh if b not in live]
+        assert live and dead
+        assert t.put(ns, fresh) == len(live)
+        assert t.contains(ns, [b.key for b in live]) == len(live)
+        assert t.contains(ns, [dead[0].key]) == 0
+        assert t.get_into(ns, [dead[0].key], _outs(1)) == 0
+        st = t.status()
+        assert (st["state"], st["errors"], st["rejected_blocks"]) == ("closed", 3, 0)
+        assert t.get_into(ns, [b.key for b in live], _outs(len(live))) == len(live)
+    finally:
+        node.start()
+        assert node.wait_up()
+        redis_cluster.wait_ok()
+        for i in range(3):
+            redis_cluster.node_cli(i, "CONFIG", "SET", "cluster-require-full-coverage",
+                                   "yes")
+    assert t.contains(ns, keys) == first  # skipped until its cooldown has run
+    now[0] += 5.0
+    assert t.contains(ns, keys) == first  # called again: back, but empty
+    assert t.status()["masters_down"] == []
+    assert _gauges(t.status())["kvd_tier_masters_down"] == 0
+    assert t.put(ns, blocks) == 64 and t.contains(ns, keys) == 64
+    t.close()
 
 
 def test_a_round_trip_carries_at_most_max_batch_bytes(redis_server, monkeypatch):
     """Large blocks go in several round trips, so one timeout bounds a known size."""
-    from kvd.tiers import remote
+    from kvd.tiers import pipelines
 
     sent: list[int] = []
-    execute = remote._execute
+    execute = pipelines.execute
 
     def counting(node, cmds, where, budget_s=0.0):
         sent.append(len(cmds))
         return execute(node, cmds, where, budget_s)
 
-    monkeypatch.setattr(remote, "_execute", counting)
+    monkeypatch.setattr(pipelines, "execute", counting)
     ns, blocks = _ns(), _blocks(10)
     with closing(RedisTier(redis_server.url, max_batch_bytes=3 * SIZE)) as t:
         assert t.put(ns, blocks) == 10

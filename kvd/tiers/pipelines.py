@@ -1,0 +1,160 @@
+"""Round trips to a Redis/Valkey Cluster (or one server): one pipeline per master that
+owns some of a call's keys, no retries, each cut at a deadline.
+
+redis-py's cluster pipeline would resend each failed command alone (a timeout apiece)
+and its clients retry with backoff; here a dead or hung master costs one socket timeout,
+and a link that trickles bytes costs its round trip's budget, after which a watchdog
+shuts the socket. The caller (``remote.RedisTier``) keeps the breakers.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvd.errors import BreakerOpen, TierError
+
+Client = redis.Redis | RedisCluster
+Command = tuple[Any, ...]
+
+
+def pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0,
+               skip: Callable[[str], bool] = lambda name: False,
+               ) -> tuple[list[Any], set[str], dict[str, TierError]]:
+    """One pipeline per node owning some of ``cmds``' keys, but those ``skip`` names:
+    (replies in ``cmds``' order, the nodes that answered, those that failed). A failed
+    or skipped node's keys get a ``TierError`` as their reply. One server (no cluster)
+    raises its failure. Each round trip is cut after ``budget_s`` (0: socket timeout)."""
+    if not isinstance(client, RedisCluster):
+        kw = client.get_connection_kwargs()
+        name = f"{kw.get('host')}:{kw.get('port')}"
+        return execute(client, cmds, name, budget_s), {name}, {}
+    groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+    for i, cmd in enumerate(cmds):
+        node = client.get_node_from_key(cmd[1])
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    results: list[Any] = [None] * len(cmds)
+    answered: set[str] = set()
+    failed: dict[str, TierError] = {}
+    for name, (node, idx) in groups.items():
+        if skip(name):
+            replies: list[Any] = [BreakerOpen(f"redis node {name}: breaker open")] * len(idx)
+        else:
+            try:
+                replies = execute(client.get_redis_connection(node),
+                                   [cmds[i] for i in idx], name, budget_s)
+                answered.add(name)
+            except TierError as e:
+                failed[name] = e
+                replies = [e] * len(idx)
+        for i, reply in zip(idx, replies):
+            results[i] = reply
+    for i, reply in enumerate(results):
+        if isinstance(reply, (AskError, TryAgainError)):  # MOVED is an AskError
+            try:
+                results[i] = client.execute_command(*cmds[i])
+            except ResponseError as e:  # one key's error (WRONGTYPE, OOM), as above
+                if isinstance(e, ClusterDownError):
+                    raise
+                results[i] = e
+    return results, answered, failed
+
+
+def execute(node: redis.Redis, cmds: list[Command], where: str,
+             budget_s: float = 0.0) -> list[Any]:
+    pipe = node.pipeline(transaction=False)
+    for cmd in cmds:
+        pipe.execute_command(*cmd)
+    watchdog: _Watchdog | None = None
+    pool = node.connection_pool
+    try:
+        if budget_s > 0:  # this call's own connection, kept from the pool until the
+            # watchdog is cancelled: it must never cut a connection another call took
+            pipe.connection = pool.get_connection()
+            pipe.connection_pool = _Held(pool)
+            watchdog = _Watchdog(pipe.connection, budget_s)
+        replies = pipe.execute(raise_on_error=False)
+    except (RedisConnectionError, RedisTimeoutError) as e:
+        if watchdog is not None and watchdog.fired:
+            raise TierError(f"redis node {where}: no whole reply within {budget_s:.2f}s "
+                            "(a slow link)") from e
+        raise TierError(f"redis node {where}: {describe(e)}") from e
+    finally:
+        if watchdog is not None:
+            conn = watchdog.cancel()
+            pipe.reset()  # (into _Held)
+            if watchdog.fired:
+                conn.disconnect()  # its socket is shut: the pool reconnects it
+            pool.release(conn)
+        else:
+            pipe.reset()  # gives the connection back (execute did, unless it never ran)
+    for reply in replies:
+        if isinstance(reply, ClusterDownError):  # and MASTERDOWN
+            raise TierError(f"redis node {where}: cluster down ({reply})")
+    return replies
+
+
+class _Held:
+    """A connection pool whose ``release`` only holds the connection: the caller gives
+    it back once its watchdog can no longer fire."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def release(self, conn: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+class _Watchdog:
+    """Shuts a connection's socket down if its call outlives ``budget_s``: the blocked
+    read then fails, where a socket timeout would not fire as long as some bytes keep
+    coming. The connection stays the call's until ``cancel``."""
+
+    def __init__(self, conn: Any, budget_s: float) -> None:
+        self.conn = conn
+        self._sock = getattr(conn, "_sock", None)  # redis-py's socket of this connection
+        self._lock = threading.Lock()
+        self.fired = self._done = False
+        self._timer = threading.Timer(budget_s, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._done or self._sock is None:
+                return
+            self.fired = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> Any:
+        """No firing from now on; the connection, for the caller to give back."""
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+        return self.conn
+
+
+def no_retry() -> Retry:
+    """redis-py retries up to 10 times with backoff by default (5.x/6.x+): a failing call
+    would take seconds; the breaker decides what happens next instead."""
+    return Retry(NoBackoff(), 0)
+
+
+def describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else "no node given"
