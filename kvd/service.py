@@ -215,6 +215,22 @@ class Service:
         self.config = config
         self.transfers.config = config
         self.tenants.max_tenants = config.max_tenants
+        self._recheck_access()
+
+    def _recheck_access(self) -> None:
+        """Apply changed access rules to the connections already made: one whose uid
+        (or group) is no longer allowed is dropped as if it went away (its leases and
+        stores released; its next request is told to Hello, which is refused), and
+        admin rights follow ``admin_uids``."""
+        access = self.access
+        for client in list(self.clients.values()):
+            peer = Peer(client.peer_pid, client.uid, client.gid)
+            if not access.allowed(peer):
+                log.warning("uid %d (pid %d) is no longer allowed: dropping client %d",
+                            client.uid, client.pid, client.id)
+                self.client_gone(client.identity, "no longer allowed")
+            else:
+                client.admin = access.admin(peer)
 
     # ------------------------------------------------------------ handshake
     @property
@@ -240,7 +256,8 @@ class Service:
             self.client_gone(identity)
         client = Client(self._next_client, identity, peer.pid or msg.pid, msg.name[:MAX_NAME],
                         msg.pid,
-                        peer_pid=peer.pid, uid=peer.uid, admin=self.access.admin(peer),
+                        peer_pid=peer.pid, uid=peer.uid, gid=peer.gid,
+                        admin=self.access.admin(peer),
                         last_seen=self.clock())
         self._next_client += 1
         self.clients[identity] = client

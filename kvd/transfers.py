@@ -56,6 +56,7 @@ class Client:
     gone: bool = False
     requests: int = 0
     uid: int = -1
+    gid: int = -1
     admin: bool = False
     last_seen: float = 0.0
 

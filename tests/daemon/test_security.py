@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import uuid
 
@@ -14,6 +15,7 @@ from kvd_client import RemoteError
 from kvd_proto import messages as m
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
 from tests.daemon.workers import Spec, Worker
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd"),
@@ -46,6 +48,10 @@ def _as_user(uid: int, gid: int, socket: str, requests: list, out) -> None:
         s.connect(f"ipc://{socket}")
         replies = []
         for msg in requests:
+            if msg is WAIT:  # the test does something meanwhile, then says go
+                out.send(("waiting", replies))
+                out.recv()
+                continue
             s.send(m.encode(msg))
             replies.append(m.decode_reply(s.recv()) if s.poll(5000) else None)
         out.send(("ok", replies))
@@ -53,13 +59,21 @@ def _as_user(uid: int, gid: int, socket: str, requests: list, out) -> None:
         out.send(("error", repr(e)))
 
 
-def ask_as(uid: int, gid: int, socket: str, requests: list):
+WAIT = object()  # in ``requests``: the child waits there, keeping its connection open
+
+
+def ask_as(uid: int, gid: int, socket: str, requests: list, meanwhile=None):
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_as_user, args=(uid, gid, socket, requests, child))
     p.start()
     assert parent.poll(20), "child did not answer"
     result = parent.recv()
+    if result[0] == "waiting":
+        meanwhile(result[1])
+        parent.send("go")
+        assert parent.poll(20), "child did not answer"
+        result = parent.recv()
     p.join(10)
     assert result[0] == "ok", result
     return result[1]
@@ -113,6 +127,33 @@ def test_allowed_but_not_admin(daemon_factory, other_user):
     assert isinstance(ok, m.HelloOk)
     assert isinstance(evict, m.Error) and evict.code == m.Code.FORBIDDEN
     assert isinstance(flush, m.Error) and flush.code == m.Code.FORBIDDEN
+
+
+def test_a_reload_that_revokes_a_uid_drops_its_live_connection(daemon_factory, other_user,
+                                                               tmp_path):
+    """A uid taken out of ``allowed_uids`` by SIGHUP kept its open connection (access
+    was checked at Hello only) until it reconnected."""
+    uid, gid = other_user
+    f = tmp_path / "kvd.toml"
+    f.write_text(f"allowed_uids = [{uid}]\n")
+    d = daemon_factory("--config", str(f), start=False)
+    d.socket = f"/tmp/kvd-sec-{uuid.uuid4().hex[:8]}/kvd.sock"
+    d.start()
+    open_socket(d)
+
+    def revoke(before: list) -> None:
+        assert isinstance(before[0], m.HelloOk)
+        assert any(c["name"] == "other-uid" for c in d.status()["clients"])
+        f.write_text("allowed_uids = []\n")
+        os.kill(d.pid, signal.SIGHUP)
+        assert wait_for(lambda: all(c["name"] != "other-uid"
+                                    for c in d.status()["clients"]), 10), d.logs()[-2000:]
+
+    _, after, again = ask_as(uid, gid, d.socket, [hello(1), WAIT, m.Ping(2), hello(3)],
+                             meanwhile=revoke)
+    assert isinstance(after, m.Error) and after.code == m.Code.NOT_REGISTERED
+    assert isinstance(again, m.Error) and again.code == m.Code.FORBIDDEN
+    assert "no longer allowed" in d.logs()
 
 
 def test_a_client_cannot_read_another_tenants_slot(daemon):

@@ -99,6 +99,38 @@ def test_a_reload_applies_the_tenant_limit_to_the_next_register(service):
     assert isinstance(refused, m.Error) and "tenant limit (1)" in refused.message
 
 
+def test_a_reload_that_revokes_a_uid_drops_its_connections(service):
+    """Access was checked at Hello only: a uid taken out of ``allowed_uids`` by a reload
+    kept its connection, its stores and leases, and its admin rights until it
+    reconnected. Now the reload drops it; its next request is told to Hello again,
+    which is refused."""
+    base = {"pool_size": 8 << 20, "extent_size": 1 << 20, "pool_path": service.pool.path}
+    other = Peer(os.getpid(), 4242, 4242)  # (the kernel's word, in the daemon)
+    service.reconfigure(Config(**base, allowed_uids=[4242], admin_uids=[4242]))
+    ident = b"other"
+    assert isinstance(service.handle(ident, other, m.Hello(1, m.PROTOCOL_VERSION, 1)), m.HelloOk)
+    assert isinstance(service.handle(ident, other, m.Register(2, fingerprint(Spec("x")), -1)),
+                      m.Registered)
+    keys = [i.to_bytes(8, "little") for i in range(4)]
+    assert isinstance(service.handle(ident, other, m.Allocate(3, keys)), m.Allocated)
+    assert service.index.pending_blocks == 4
+    assert isinstance(service.handle(ident, other, m.Evict(4)), m.Ok)
+
+    service.reconfigure(Config(**base, allowed_uids=[4242]))  # no longer an admin
+    refused = service.handle(ident, other, m.Evict(5))
+    assert isinstance(refused, m.Error) and refused.code == m.Code.FORBIDDEN
+    assert service.index.pending_blocks == 4  # still a client
+
+    service.reconfigure(Config(**base))  # no longer allowed at all
+    assert service.index.pending_blocks == 0 and ident not in service.clients
+    gone = service.handle(ident, other, m.Lookup(6, keys))
+    assert isinstance(gone, m.Error) and gone.code == m.Code.NOT_REGISTERED
+    again = service.handle(ident, other, m.Hello(7, m.PROTOCOL_VERSION, 1))
+    assert isinstance(again, m.Error) and again.code == m.Code.FORBIDDEN
+    me = Peer(os.getpid(), os.getuid(), os.getgid())  # the daemon's own uid stays in
+    assert isinstance(service.handle(b"me", me, m.Hello(8, m.PROTOCOL_VERSION, 1)), m.HelloOk)
+
+
 def test_stopping_refuses_new_work_with_busy(service):
     ident, me = b"c1", Peer(os.getpid(), os.getuid(), os.getgid())
     assert isinstance(service.handle(ident, me, m.Hello(1, m.PROTOCOL_VERSION, 1)), m.HelloOk)
