@@ -9,8 +9,11 @@ shuts the socket. The caller (``remote.RedisTier``) keeps the breakers.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -127,14 +130,12 @@ class _Watchdog:
         self.conn = conn
         self._sock = getattr(conn, "_sock", None)  # redis-py's socket of this connection
         self._lock = threading.Lock()
-        self.fired = self._done = False
-        self._timer = threading.Timer(budget_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
+        self.fired = self.done = False
+        _DEADLINES.add(time.monotonic() + budget_s, self)
 
-    def _fire(self) -> None:
+    def fire(self) -> None:
         with self._lock:
-            if self._done or self._sock is None:
+            if self.done or self._sock is None:
                 return
             self.fired = True
             try:
@@ -145,9 +146,47 @@ class _Watchdog:
     def cancel(self) -> Any:
         """No firing from now on; the connection, for the caller to give back."""
         with self._lock:
-            self._done = True
-        self._timer.cancel()
+            self.done = True
         return self.conn
+
+
+class _Deadlines:
+    """One thread fires every round trip's watchdog at its deadline (a timer thread per
+    round trip cost a thread start each). A cancelled watchdog stays queued until its
+    deadline or until it comes first, then is dropped unfired."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[tuple[float, int, _Watchdog]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, when: float, dog: _Watchdog) -> None:
+        with self._cond:
+            heapq.heappush(self._queue, (when, next(self._seq), dog))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="kvd-remote-deadlines")
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        queue = self._queue
+        with self._cond:
+            while True:
+                while queue and queue[0][2].done:
+                    heapq.heappop(queue)
+                if not queue:
+                    self._cond.wait()
+                    continue
+                wait = queue[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(queue)[2].fire()
+
+
+_DEADLINES = _Deadlines()
 
 
 def no_retry() -> Retry:

@@ -644,3 +644,23 @@ def test_the_round_trip_watchdog_never_cuts_a_connection_another_call_took(
     other.join()
     t.close()
     assert go.is_set() and not errors, errors
+
+
+def test_round_trips_share_one_deadline_thread(redis_server, monkeypatch):
+    """Each round trip started a timer thread for its watchdog; one thread serves them
+    all now, and still cuts a round trip that overruns (the trickling link's test)."""
+    ns, blocks = _ns(), _blocks(4)
+    with closing(RedisTier(redis_server.url)) as t:
+        assert t.put(ns, blocks) == 4  # the deadline thread exists from here on
+        started: list[str] = []
+        real_start = threading.Thread.start
+
+        def counting(self):
+            started.append(self.name)
+            real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", counting)
+        for _ in range(50):
+            assert t.get_into(ns, [b.key for b in blocks], _outs(4)) == 4
+        assert started == []
+        assert [th.name for th in threading.enumerate()].count("kvd-remote-deadlines") == 1
