@@ -161,6 +161,19 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 
 @pytest.fixture
+def redis_cluster_with_replicas(tmp_path: Path) -> Iterator:
+    """Three masters with a replica each, for one test (it may fail a master over)."""
+    _need_redis()
+    from tests.redis_servers import RedisCluster
+
+    cluster = RedisCluster(tmp_path / "redis-replicated", replicas=1)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator:
     """One standalone (non-cluster) redis-server."""
     _need_redis()

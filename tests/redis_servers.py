@@ -101,19 +101,21 @@ class _Node:
 
 
 class RedisCluster:
-    """Three masters, no replicas, slots spread by ``redis-cli --cluster create``.
+    """Three masters (and ``replicas`` replicas of each), slots spread by ``redis-cli
+    --cluster create``.
 
     ``stop()`` takes every node down; ``start()`` brings them back on the same ports and
     node config files, so the same cluster (empty: nothing is persisted) answers again.
     """
 
     def __init__(self, tmp_dir: str | os.PathLike[str], ports: list[int] | None = None,
-                 attempts: int = 3) -> None:
+                 attempts: int = 3, replicas: int = 0) -> None:
         self.dir = Path(tmp_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.created = False
+        self.replicas = replicas
         for attempt in range(attempts):
-            self.ports = list(ports) if ports else free_ports(3)
+            self.ports = list(ports) if ports else free_ports(3 * (1 + replicas))
             self.nodes = [_Node(p, self.dir, [
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(self.dir / f"nodes-{p}.conf"),
@@ -141,7 +143,8 @@ class RedisCluster:
         if not self.created:
             addrs = [f"127.0.0.1:{p}" for p in self.ports]
             out = subprocess.run(["redis-cli", "--cluster", "create", *addrs,
-                                  "--cluster-replicas", "0", "--cluster-yes"],
+                                  "--cluster-replicas", str(self.replicas),
+                                  "--cluster-yes"],
                                  capture_output=True, timeout=60, check=False)
             if out.returncode != 0:
                 raise RuntimeError(f"cluster create failed:\n{out.stdout.decode()}"

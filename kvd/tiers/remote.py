@@ -11,8 +11,9 @@ One master down is not the cluster down: a cluster that serves the slots it stil
 covers (``cluster-require-full-coverage no``, or the seconds before a failover) keeps
 serving kvd, the dead master's keys reading as misses and its puts as declined. A
 breaker per master stops calling one that keeps failing; the tier's own breaker opens
-when no master answers. A master's failure refreshes the slot map in place (a
-failover); a failure of the whole cluster drops the client.
+when no master answers. A master's failure refreshes the slot map in place, and so
+does a call that skipped one, at most every REFRESH_S: a replica that took over is
+used within that. A failure of the whole cluster drops the client.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ _FAILURES = (RedisError, RedisClusterException, OSError)
 # socket read has the timeout, but a link that trickles bytes inside it would otherwise
 # hold a read (and the Lookups promised its blocks) for as long as it likes.
 MIN_BYTES_PER_S = 32 << 20
+# While a master is skipped, its slots are looked up again at most this often (a replica
+# that took over is found within it).
+REFRESH_S = 1.0
 _ADDR = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})")
 
 
@@ -98,6 +102,7 @@ class RedisTier(Tier):
         self.rejected_blocks = 0  # puts the cluster answered with an error (OOM...)
         self.last_error = ""
         self._masters: dict[str, _NodeBreaker] = {}  # by "host:port", as redis-py names
+        self._refreshed_at = float("-inf")  # the slot map was last looked up again
 
     # ------------------------------------------------------------ the Tier API
     def put(self, ns: bytes, blocks: Sequence[TierBlock]) -> int:
@@ -290,8 +295,8 @@ class RedisTier(Tier):
                 self._trial = False
             raise
         self._masters_answered(answered, failed)
-        if answered and failed:
-            self._refresh(client)
+        if answered and (failed or any(isinstance(r, BreakerOpen) for r in results)):
+            self._refresh(client, now=bool(failed))
         if answered or not cmds:
             self._succeeded()
         elif failed and self._all_down(client, failed):  # the cluster is down
@@ -303,9 +308,15 @@ class RedisTier(Tier):
                 self._trial = False
         return results
 
-    def _refresh(self, client: Client) -> None:
-        """Look up the slots again (a failover moves them), keeping the client: a new
-        one asks a random master for ``COMMAND`` first, which fails while one is down."""
+    def _refresh(self, client: Client, now: bool) -> None:
+        """Look up the slots again after a master failed (``now``), or at most every
+        REFRESH_S while one is skipped: a replica that took over is used within that.
+        The client is kept: a new one asks a random master for ``COMMAND`` first, which
+        fails while one is down."""
+        with self._lock:
+            if not now and self.clock() - self._refreshed_at < REFRESH_S:
+                return
+            self._refreshed_at = self.clock()
         try:
             client.nodes_manager.initialize()  # type: ignore[union-attr]
         except _FAILURES:

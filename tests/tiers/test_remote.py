@@ -22,6 +22,7 @@ import redis
 from kvd.errors import BreakerOpen, ConfigError, TierError
 from kvd.tiers.base import HEADER_BYTES, TierBlock, make_tier
 from kvd.tiers.remote import RedisTier, parse_urls
+from tests.waiting import wait_for
 
 SIZE = 4096
 SENTINEL = 0xAA
@@ -410,6 +411,46 @@ def test_one_master_down_leaves_the_others_serving(redis_cluster, raw):
     assert t.status()["masters_down"] == []
     assert _gauges(t.status())["kvd_tier_masters_down"] == 0
     assert t.put(ns, blocks) == 64 and t.contains(ns, keys) == 64
+    t.close()
+
+
+def test_a_replica_that_takes_over_a_dead_master_is_used(redis_cluster_with_replicas):
+    """A master dies, its replica is promoted: the blocks it replicated are served again
+    from the new master, found by looking the slot map up again while the old master is
+    skipped (no failure needed to find it), with no new client and no breaker of the
+    tier's own opening."""
+    cluster = redis_cluster_with_replicas
+    for n in cluster.nodes:  # replication is up: the replicas hold what is written
+        assert wait_for(lambda n=n: "role:master" in (info := n.cli("INFO", "replication"))
+                        or "master_link_status:up" in info, 30)
+    t = RedisTier(cluster.url, timeout_ms=200, breaker_failures=3, breaker_cooldown_s=600)
+    ns, blocks = _ns(), _blocks(64)
+    keys = [b.key for b in blocks]
+    assert t.put(ns, blocks) == 64
+    raw = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    try:
+        for name in {raw.get_node_from_key(_key(ns, k)).name for k in keys}:
+            assert raw.get_redis_connection(raw.get_node(node_name=name)).execute_command(
+                "WAIT", 1, 5000) == 1  # its replica has the blocks
+        dead, first = _later_master(raw, cluster, ns, keys)
+    finally:
+        raw.close()
+    dead.stop()
+    live = [n for n in cluster.nodes if n is not dead]
+    for _ in range(3):  # before the failover: a run up to it; then it is skipped
+        assert t.get_into(ns, keys, _outs(64)) == first
+    assert t.status()["masters_down"] == [f"127.0.0.1:{dead.port}"]
+    # The replica is promoted once the others agree the master failed (node timeout 3 s).
+    assert wait_for(lambda: all("cluster_state:ok" in n.cli("CLUSTER", "INFO", check=False)
+                                for n in live)
+                    and sum("role:master" in n.cli("INFO", "replication") for n in live) == 3,
+                    30), [n.cli("CLUSTER", "NODES", check=False) for n in live[:1]]
+    assert wait_for(lambda: t.get_into(ns, keys, _outs(64)) == 64, 10)
+    outs = _outs(64)
+    assert t.get_into(ns, keys, outs) == 64
+    assert all(np.array_equal(o, b.data) for o, b in zip(outs, blocks))
+    st = t.status()
+    assert (st["state"], st["errors"], st["corrupt_blocks"]) == ("closed", 3, 0)
     t.close()
 
 
