@@ -19,6 +19,9 @@ import zmq
 from kvd.config import Config
 from kvd.errors import ConfigError
 
+# The config keys the rules below are made of.
+ACCESS_KEYS = ("allowed_uids", "allowed_groups", "admin_uids")
+
 
 @dataclass(frozen=True)
 class Peer:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-from kvd.access import Access, Peer
+from kvd.access import ACCESS_KEYS, Access, Peer
 from kvd.config import Config
 from kvd.core.allocator import Allocator, AllocatorError
 from kvd.core.index import PENDING, Index
@@ -212,16 +212,18 @@ class Service:
     def reconfigure(self, config: Config) -> None:
         """SIGHUP: the new config's live keys apply from the next request on (the
         lifecycle decides which keys are live; parts that cache a value refresh here)."""
-        self.config = config
+        old, self.config = self.config, config
         self.transfers.config = config
         self.tenants.max_tenants = config.max_tenants
-        self._recheck_access()
+        if any(getattr(old, k) != getattr(config, k) for k in ACCESS_KEYS):
+            self._recheck_access()
 
     def _recheck_access(self) -> None:
-        """Apply changed access rules to the connections already made: one whose uid
-        (or group) is no longer allowed is dropped as if it went away (its leases and
+        """Apply changed access rules to the clients already connected: one whose uid
+        (or group) is no longer allowed is forgotten as if it went away (its leases and
         stores released; its next request is told to Hello, which is refused), and
-        admin rights follow ``admin_uids``."""
+        admin rights follow ``admin_uids``. Only when those rules changed: a group
+        membership is read from /proc, which a reload of another key must not risk."""
         access = self.access
         for client in list(self.clients.values()):
             peer = Peer(client.peer_pid, client.uid, client.gid)

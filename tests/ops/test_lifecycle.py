@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from kvd.access import Peer
+from kvd.access import Access, Peer
 from kvd.cli import ctl
 from kvd.config import Config
 from kvd.lifecycle import Lifecycle, config_changes
@@ -99,7 +99,7 @@ def test_a_reload_applies_the_tenant_limit_to_the_next_register(service):
     assert isinstance(refused, m.Error) and "tenant limit (1)" in refused.message
 
 
-def test_a_reload_that_revokes_a_uid_drops_its_connections(service):
+def test_a_reload_that_revokes_a_uid_drops_its_connections(service, monkeypatch):
     """Access was checked at Hello only: a uid taken out of ``allowed_uids`` by a reload
     kept its connection, its stores and leases, and its admin rights until it
     reconnected. Now the reload drops it; its next request is told to Hello again,
@@ -120,6 +120,12 @@ def test_a_reload_that_revokes_a_uid_drops_its_connections(service):
     refused = service.handle(ident, other, m.Evict(5))
     assert isinstance(refused, m.Error) and refused.code == m.Code.FORBIDDEN
     assert service.index.pending_blocks == 4  # still a client
+    # A reload of other keys judges nobody again (a group membership is read from /proc,
+    # and a passing failure to read it must not drop a client).
+    with monkeypatch.context() as patch:
+        patch.setattr(Access, "allowed", lambda self, peer: False)
+        service.reconfigure(Config(**base, allowed_uids=[4242], max_lease_ms=5000))
+    assert ident in service.clients
 
     service.reconfigure(Config(**base))  # no longer allowed at all
     assert service.index.pending_blocks == 0 and ident not in service.clients
