@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
@@ -31,34 +31,42 @@ Client = redis.Redis | RedisCluster
 Command = tuple[Any, ...]
 
 
+class Sent(NamedTuple):
+    """What one call's pipelines came back with."""
+
+    replies: list[Any]  # in the commands' order; a TierError where the master failed or
+    # was skipped, an exception object for one key's error (WRONGTYPE, OOM)
+    answered: set[str]  # masters, by redis-py's "host:port" name
+    failed: dict[str, TierError]
+    skipped: set[str]
+
+
 def pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0,
-               skip: Callable[[str], bool] = lambda name: False,
-               ) -> tuple[list[Any], set[str], dict[str, TierError]]:
-    """One pipeline per node owning some of ``cmds``' keys, but those ``skip`` names:
-    (replies in ``cmds``' order, the nodes that answered, those that failed). A failed
-    or skipped node's keys get a ``TierError`` as their reply. One server (no cluster)
-    raises its failure. Each round trip is cut after ``budget_s`` (0: socket timeout)."""
+              skip: Callable[[str], bool] = lambda name: False) -> Sent:
+    """One pipeline per node owning some of ``cmds``' keys, but those ``skip`` names. One
+    server (no cluster) raises its failure. Each round trip is cut after ``budget_s``
+    (0: the socket timeout)."""
     if not isinstance(client, RedisCluster):
         kw = client.get_connection_kwargs()
         name = f"{kw.get('host')}:{kw.get('port')}"
-        return execute(client, cmds, name, budget_s), {name}, {}
+        return Sent(execute(client, cmds, name, budget_s), {name}, {}, set())
     groups: dict[str, tuple[ClusterNode, list[int]]] = {}
     for i, cmd in enumerate(cmds):
         node = client.get_node_from_key(cmd[1])
         groups.setdefault(node.name, (node, []))[1].append(i)
-    results: list[Any] = [None] * len(cmds)
-    answered: set[str] = set()
-    failed: dict[str, TierError] = {}
+    sent = Sent([None] * len(cmds), set(), {}, set())
+    results = sent.replies
     for name, (node, idx) in groups.items():
         if skip(name):
+            sent.skipped.add(name)
             replies: list[Any] = [BreakerOpen(f"redis node {name}: breaker open")] * len(idx)
         else:
             try:
                 replies = execute(client.get_redis_connection(node),
-                                   [cmds[i] for i in idx], name, budget_s)
-                answered.add(name)
+                                  [cmds[i] for i in idx], name, budget_s)
+                sent.answered.add(name)
             except TierError as e:
-                failed[name] = e
+                sent.failed[name] = e
                 replies = [e] * len(idx)
         for i, reply in zip(idx, replies):
             results[i] = reply
@@ -70,7 +78,9 @@ def pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0,
                 if isinstance(e, ClusterDownError):
                     raise
                 results[i] = e
-    return results, answered, failed
+            except (RedisConnectionError, RedisTimeoutError) as e:  # moved to one now down
+                results[i] = TierError(f"redis {cmds[i][0]} after a redirect: {describe(e)}")
+    return sent
 
 
 def execute(node: redis.Redis, cmds: list[Command], where: str,

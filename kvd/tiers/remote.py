@@ -11,13 +11,14 @@ One master down is not the cluster down: a cluster that serves the slots it stil
 covers (``cluster-require-full-coverage no``, or the seconds before a failover) keeps
 serving kvd, the dead master's keys reading as misses and its puts as declined. A
 breaker per master stops calling one that keeps failing; the tier's own breaker opens
-when no master answers. A master's failure refreshes the slot map in place, and so
-does a call that skipped one, at most every REFRESH_S: a replica that took over is
-used within that. A failure of the whole cluster drops the client.
+when no master answers. While a master fails or is skipped, the slot map is looked up
+again in place, at most every REFRESH_S: a replica that took over is used within that.
+A failure of the whole cluster drops the client.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import time
@@ -25,8 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, NodesManager, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.retry import Retry
 
 from kvd.errors import BreakerOpen, ConfigError, TierError
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
@@ -38,9 +41,11 @@ _FAILURES = (RedisError, RedisClusterException, OSError)
 # socket read has the timeout, but a link that trickles bytes inside it would otherwise
 # hold a read (and the Lookups promised its blocks) for as long as it likes.
 MIN_BYTES_PER_S = 32 << 20
-# While a master is skipped, its slots are looked up again at most this often (a replica
-# that took over is found within it).
+# While a master fails or is skipped, the slots are looked up again at most this often (a
+# replica that took over is found within it).
 REFRESH_S = 1.0
+# redis-py 8 can ask the master just seen failing last when it looks the slots up again.
+_ASK_IT_LAST = "last_failed_node_name" in inspect.signature(NodesManager.initialize).parameters
 _ADDR = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})")
 
 
@@ -281,8 +286,8 @@ class RedisTier(Tier):
         self._admit(what)
         try:
             client = self._connected()
-            results, answered, failed = pipelined(
-                client, cmds, self.timeout_s + nbytes / MIN_BYTES_PER_S, self._skipped)
+            sent = pipelined(client, cmds, self.timeout_s + nbytes / MIN_BYTES_PER_S,
+                             self._skipped)
         except TierError as e:
             self._failed(e)
             raise
@@ -294,10 +299,9 @@ class RedisTier(Tier):
             with self._lock:  # not the cluster's fault: no verdict on it
                 self._trial = False
             raise
-        self._masters_answered(answered, failed)
-        if answered and (failed or any(isinstance(r, BreakerOpen) for r in results)):
-            self._refresh(client, now=bool(failed))
-        if answered or not cmds:
+        failed = sent.failed
+        self._masters_answered(sent.answered, failed)
+        if sent.answered or not cmds:
             self._succeeded()
         elif failed and self._all_down(client, failed):  # the cluster is down
             error = next(iter(failed.values()))
@@ -306,23 +310,31 @@ class RedisTier(Tier):
         else:  # only masters known (or just found) down were asked: no verdict on it
             with self._lock:
                 self._trial = False
-        return results
+        if failed or sent.skipped:
+            self._refresh(client, next(iter(failed or sent.skipped)))
+        return sent.replies
 
-    def _refresh(self, client: Client, now: bool) -> None:
-        """Look up the slots again after a master failed (``now``), or at most every
-        REFRESH_S while one is skipped: a replica that took over is used within that.
-        The client is kept: a new one asks a random master for ``COMMAND`` first, which
-        fails while one is down."""
+    def _refresh(self, client: Client, suspect: str) -> None:
+        """Look up the slots again (at most every REFRESH_S) while a master fails or is
+        skipped: a replica that took over is used from then on. In place: a new client
+        would send ``COMMAND`` first, to a master that may be the one down."""
         with self._lock:
-            if not now and self.clock() - self._refreshed_at < REFRESH_S:
+            if self.clock() - self._refreshed_at < REFRESH_S:
                 return
             self._refreshed_at = self.clock()
         try:
-            client.nodes_manager.initialize()  # type: ignore[union-attr]
+            client.nodes_manager.initialize(  # type: ignore[union-attr]
+                disconnect_startup_nodes_pools=False,  # other threads' calls use them
+                **({"last_failed_node_name": suspect} if _ASK_IT_LAST else {}))
+            masters = {n.name for n in client.get_primaries()}
         except _FAILURES:
             with self._lock:
                 if self._client is client:
                     self._client = None
+            return
+        with self._lock:  # a master replaced by its replica is no longer one
+            for name in [n for n in self._masters if n not in masters]:
+                del self._masters[name]
 
     def _all_down(self, client: Client, failed: dict[str, TierError]) -> bool:
         """Whether every master of the cluster failed in this call or is skipped."""
@@ -373,12 +385,12 @@ class RedisTier(Tier):
                 return node, False
             node.close()
             startup = [ClusterNode(h, p) for h, p in self.nodes]
-            for _ in self.nodes:  # it asks a random master for COMMAND: one may be down
-                try:
-                    return RedisCluster(startup_nodes=startup, retry=no_retry(), **opts), True
-                except _FAILURES as e:
-                    error = e
-            break
+            # A new client sends COMMAND to its default node, the first master CLUSTER
+            # SLOTS names: redis-py's own retries move it on if that one is down.
+            client = RedisCluster(startup_nodes=startup,
+                                  retry=Retry(NoBackoff(), len(self.nodes)), **opts)
+            client.set_retry(no_retry())  # from here on the breakers decide
+            return client, True
         raise TierError(f"redis: no node of {self.urls} answered ({describe(error)})")
 
 
