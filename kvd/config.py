@@ -17,6 +17,7 @@ import msgspec
 
 from kvd.core.policies import policy_names
 from kvd.errors import ConfigError
+from kvd.tiers.disk_files import DATA_FILE, JOURNAL_FILE
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -141,6 +142,22 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError("stop_timeout_ms must be 0 (no wait) or more")
         if self.remote_ttl_s < 0:
             raise ValueError("remote_ttl_s must be 0 (no TTL) or more")
+        files = {"pool_path": self.pool_path, "journal_path": self.journal,
+                 "socket": self.socket}
+        if self.disk_path:  # (the disk tier's own two files)
+            files |= {f"disk_path's {name}": os.path.join(self.disk_path, name)
+                      for name in (DATA_FILE, JOURNAL_FILE)}
+        seen: dict[str, str] = {}
+        for key, path in files.items():
+            other = seen.setdefault(os.path.realpath(path), key)
+            if other != key:  # one file would be two things: each overwrites the other
+                raise ValueError(f"{key} and {other} are the same file ({path})")
+
+    @property
+    def pool_bytes(self) -> int:
+        """What the pool file holds: whole extents (a rest of pool_size would be
+        reserved, and pinned in RAM, without ever holding a block)."""
+        return self.pool_size // self.extent_size * self.extent_size
 
     @property
     def journal(self) -> str:

@@ -86,9 +86,14 @@ class Server:
             raise
 
     def _start(self, config: Config) -> None:
-        with self.lifecycle.preparing(f"preparing pool: {config.pool_size >> 20} MiB at "
-                                      f"{config.pool_path}", config.pool_size):
-            self.pool = Pool(config.pool_path, config.pool_size, prefault=config.prefault,
+        if config.pool_bytes < config.pool_size:
+            log.warning("pool_size %d is not a multiple of extent_size %d: the pool is %d "
+                        "bytes (%d MiB unused otherwise)", config.pool_size,
+                        config.extent_size, config.pool_bytes,
+                        (config.pool_size - config.pool_bytes) >> 20)
+        with self.lifecycle.preparing(f"preparing pool: {config.pool_bytes >> 20} MiB at "
+                                      f"{config.pool_path}", config.pool_bytes):
+            self.pool = Pool(config.pool_path, config.pool_bytes, prefault=config.prefault,
                              lock=config.mlock, keep=config.persist)
         self.engines = {
             "host": HostEngine(self._engine_done, threads=config.copy_threads,
@@ -174,6 +179,11 @@ class Server:
         if os.path.exists(path):
             if not stat.S_ISSOCK(os.stat(path).st_mode):
                 raise ConfigError(f"{path} exists and is not a socket")
+            # Asked again: another kvd may have bound it while this one made its pool.
+            if _listening(path):
+                raise ConfigError(f"another kvd is listening at {path} (it started while "
+                                  "this one prepared its pool); stop it or give this one "
+                                  "another socket")
             os.unlink(path)  # a stale socket of a dead daemon
         try:
             self.sock.bind(f"ipc://{path}")
@@ -365,7 +375,7 @@ class Server:
         self.loop.call_later(TICK_S, self._tick)
         self._drain()
         log.info("kvd serving on %s: pool %d MiB at %s, policy %s, pid %d",
-                 self.config.socket, self.config.pool_size >> 20, self.config.pool_path,
+                 self.config.socket, self.config.pool_bytes >> 20, self.config.pool_path,
                  self.service.policy_name, os.getpid())
         self.lifecycle.started()  # READY=1 once the socket accepts clients
         await self.stopping.wait()

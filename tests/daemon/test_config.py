@@ -75,6 +75,30 @@ def test_cross_field_validation():
         load(None, {}, {"pool_size": "1M", "extent_size": "64M"})
 
 
+@pytest.mark.parametrize("flags,match", [
+    # A journal on the pool file: its rewrite at start renamed itself over the pool
+    # (served from an unlinked inode, no warm restart ever again, and a second daemon no
+    # longer kept out by the pool's lock).
+    ({"pool_path": "/dev/shm/p", "journal_path": "/dev/shm/p"},
+     "journal_path and pool_path are the same file"),
+    ({"pool_path": "/dev/shm/p", "socket": "/dev/shm/./p"},
+     "socket and pool_path are the same file"),
+    ({"disk_path": "/tmp/kvd-d", "disk_size": "64M", "journal_path": "/tmp/kvd-d/kvd-disk.slots"},
+     "disk_path's kvd-disk.slots and journal_path are the same file"),
+])
+def test_one_file_named_for_two_things_is_refused(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        load(None, {}, flags)
+
+
+def test_a_pool_holds_whole_extents():
+    """The rest of a pool_size that is no multiple of extent_size was reserved in
+    /dev/shm (and faulted in) but never held a block."""
+    cfg = load(None, {}, {"pool_size": "127M", "extent_size": "64M"})[0]
+    assert (cfg.pool_size, cfg.pool_bytes) == (127 << 20, 64 << 20)
+    assert load(None, {}, {"pool_size": "128M", "extent_size": "64M"})[0].pool_bytes == 128 << 20
+
+
 def test_sizes():
     assert parse_size("512M") == 512 << 20
     assert parse_size("4G") == 4 << 30

@@ -66,3 +66,12 @@ def test_the_daemon_stops_with_a_clear_error(small_tmpfs, tmp_path):
     assert r.returncode not in (0, -7), r  # -7: SIGBUS
     assert "cannot reserve 64 MiB" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert os.listdir(small_tmpfs) == []
+
+
+def test_a_pool_size_of_no_whole_extents_reserves_only_whole_ones(daemon_factory):
+    """pool_size 3M with 2M extents reserved (and faulted in) 3 MiB of /dev/shm, of which
+    the allocator could use 2; the rest was pinned for nothing."""
+    d = daemon_factory("--pool-size", "3M", "--extent-size", "2M")
+    assert os.path.getsize(d.pool_path) == 2 << 20
+    assert d.status()["pool"]["capacity_bytes"] == 2 << 20
+    assert "pool_size 3145728 is not a multiple of extent_size 2097152" in d.logs()

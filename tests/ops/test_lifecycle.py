@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -249,8 +251,6 @@ def _daemon_env() -> dict[str, str]:
 def _start_slowly(d):
     """Start ``d`` with a pool large enough (2 GiB) that its start-up can be caught:
     the process, once the pool file exists (the pool is being made)."""
-    import subprocess
-    import sys
     d.args[d.args.index("--pool-size") + 1] = "2G"
     cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
            "--pool-path", d.pool_path, *d.args]
@@ -264,8 +264,6 @@ def _start_slowly(d):
 
 def _run_to_exit(d, timeout: float = 30.0) -> int:
     """Start ``d`` without waiting for it to serve; its exit status."""
-    import subprocess
-    import sys
     cmd = [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", d.socket,
            "--pool-path", d.pool_path, *d.args]
     with open(d.log, "ab") as log:
@@ -325,6 +323,25 @@ def test_a_stopping_daemon_leaves_the_socket_of_the_daemon_that_replaced_it(
     assert "pool" in b.status()  # new connections reach B
     assert b.stop() == 0
     assert not os.path.exists(b.socket)  # its own socket, it removes
+
+
+def test_a_daemon_that_started_meanwhile_keeps_its_socket(daemon_factory):
+    """A checked that nobody listened on the socket, then made its pool; B started and
+    bound the socket meanwhile. A then took B's live socket for a dead daemon's, unlinked
+    it and bound its own: both ran, B unreachable. Now A asks again before it unlinks."""
+    a = daemon_factory(start=False)
+    a.proc = _start_slowly(a)  # past its first check, making its pool
+    os.kill(a.pid, signal.SIGSTOP)  # (and it stays there)
+    b = daemon_factory(start=False)
+    b.socket = a.socket
+    try:
+        b.start()
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert a.proc.wait(30) != 0
+    assert f"another kvd is listening at {a.socket}" in a.logs()
+    assert b.status()["pid"] == b.pid  # B kept its socket
+    assert not os.path.exists(a.pool_path)  # A left nothing behind
 
 
 def test_a_stop_during_start_up_exits_cleanly_and_a_reload_waits(daemon_factory):
