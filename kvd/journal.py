@@ -173,6 +173,11 @@ class Journal:
         self.bytes += len(buf)
         self.records += len(records)
 
+    def gone(self) -> bool:
+        """Whether the file was removed under us (an operator, a clean-up job): appends
+        then go to an inode no restart will read."""
+        return os.fstat(self._fd).st_nlink == 0
+
     def rewrite(self, records: Iterable[msgspec.Struct]) -> None:
         """Atomically replace the journal with ``records``."""
         self.write_snapshot(records)

@@ -180,7 +180,9 @@ class Persistence:
         if j is None or self._compacting is not None or time.monotonic() < self._retry_at:
             return
         if not self._dirty and j.records < max(COMPACT_MIN_RECORDS, 4 * index.ready_blocks):
-            return
+            if not j.gone():
+                return
+            log.warning("journal %s was removed; writing it again", j.path)
         snap = self.snapshot(index, tenants)  # taken on the loop: consistent
         self._dirty = False
         self._backlog = []

@@ -319,11 +319,15 @@ class DiskTier(Tier):
                 self._entries[w.scoped] = p
                 self.policy.insert(w.scoped, p.depth)
             self.counts["written_blocks"] += len(puts)
-            compact = (self._records > max(self.compact_min_records, 4 * len(self._entries))
-                       and self.clock() >= self._compact_after)
+            compact = self.clock() >= self._compact_after and (
+                self._records > max(self.compact_min_records, 4 * len(self._entries)))
         try:
             if self.sync:
                 self.journal.sync()
+            if not compact and self.clock() >= self._compact_after and self.journal.gone():
+                log.warning("disk tier %s: its journal was removed; writing it again",
+                            self.path)
+                compact = True
             if compact:
                 self._compact()
         except OSError as e:  # the blocks are written and held; a restart may miss them

@@ -15,6 +15,7 @@ from kvd_proto import messages as m
 from kvd_proto.ids import unpack_u32
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
 from tests.daemon.workers import Spec, Worker
+from tests.waiting import wait_for
 
 PAGES = (8192, 4096)
 
@@ -69,6 +70,22 @@ def test_kill9_then_restart_restores_committed_blocks(daemon_factory):
     r = sched.request(m.Allocate(sched.next_req(), ks))
     assert unpack_u32(r.slots).tolist() == [0xFFFFFFFF] * 12
     sched.close()
+
+
+def test_a_journal_removed_while_running_is_written_again(daemon_factory):
+    """Removed under a running daemon, the journal took its commits on an unlinked inode:
+    the next warm restart restored nothing. Now the next tick writes it again."""
+    d = persistent(daemon_factory)
+    ks, _, digest = store(d, 6)
+    journal = d.pool_path + ".journal"
+    os.unlink(journal)
+    assert wait_for(lambda: os.path.exists(journal), 10), d.logs()[-2000:]
+    assert "was removed; writing it again" in d.logs()
+    more, _, more_digest = store(d, 4, tag="m")
+    d.kill()
+    d.start()
+    assert load_digest(d, ks) == (6, digest, 0)
+    assert load_digest(d, more) == (4, more_digest, 0)
 
 
 def test_a_corrupted_block_is_dropped_at_restart(daemon_factory):

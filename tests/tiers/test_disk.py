@@ -402,6 +402,34 @@ def test_blocks_survive_a_kill_9_without_close(tmp_path):
     t.close()
 
 
+def test_a_journal_removed_while_open_is_written_again(tmp_path):
+    """Removed under a running tier (a clean-up job), the journal took appends on an
+    unlinked inode: after a kill -9 every block on disk was lost (none served wrong)."""
+    code = (
+        "import os\n"
+        "from pathlib import Path\n"
+        "from kvd.tiers.disk import DiskTier\n"
+        "from kvd.tiers.disk_files import JOURNAL_FILE\n"
+        "from tests.tiers.test_disk import *\n"
+        f"d = Path({str(tmp_path)!r})\n"
+        "t = DiskTier(str(d), SIZE, extent_size=EXT)\n"
+        "t.put(NS, blocks(ks('k', 10)))\n"
+        "os.unlink(d / JOURNAL_FILE)\n"
+        "t.put(NS, blocks(ks('m', 5)))\n"
+        "assert (d / JOURNAL_FILE).exists()\n"
+        "t.put(NS, blocks(ks('n', 5)))\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                       check=False)
+    assert r.returncode == -9, r.stderr.decode()
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    assert t.status()["blocks"] == 20
+    for prefix in "kmn":
+        assert_hits(t, ks(prefix, 10 if prefix == "k" else 5))
+    t.close()
+
+
 def test_a_torn_journal_tail_loses_nothing_before_it(tmp_path):
     t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
     t.put(NS, blocks(ks("a", 10)))
