@@ -40,6 +40,9 @@ from kvd_proto.ids import pack_u32, unpack_u32
 log = logging.getLogger("kvd.service")
 # Sizes no engine comes near (see kvd.registration): a key is kept for its block's life.
 MAX_KEY = 1024  # bytes of one block key (vLLM's are 36)
+# Ticks further apart than this mean the daemon did not run (SIGSTOP, a frozen VM, a
+# starved CPU): the time beyond it is not held against its clients' silence.
+AWAY_S = 1.0
 MAX_DEPTH = (1 << 32) - 1  # a block's position in its request, as tier headers keep it
 Send = Callable[[bytes, m.Reply], None]
 
@@ -63,6 +66,7 @@ class Service:
         self.clock = clock
         self.instance = uuid.uuid4().hex
         self.started = time.time()
+        self._last_tick = clock()
         self.index = new_index(config)
         self.policy_name = self.index.policy.name
         self.tenants = Tenants(config.max_tenants)
@@ -415,6 +419,10 @@ class Service:
         self.index.expire(now)
         self.transfers.expire(now)
         limit = self.config.client_timeout_ms / 1000
+        away, self._last_tick = now - self._last_tick - AWAY_S, now
+        if away > 0:  # the daemon itself was stopped or starved: that silence is its own,
+            for c in self.clients.values():  # and their pings wait unread in the socket
+                c.last_seen += away
         for identity in [i for i, c in self.clients.items() if now - c.last_seen > limit]:
             log.warning("client %d (pid %d) silent for %.1fs: dropped",
                         self.clients[identity].id, self.clients[identity].pid, limit)

@@ -326,3 +326,41 @@ def test_a_load_of_consecutive_blocks_checks_its_deadline_every_chunk(monkeypatc
         assert not dst[-size:].any()
     finally:
         engine.close()
+
+
+def test_a_paused_daemon_does_not_count_its_own_absence_as_its_clients_silence(
+        daemon_factory):
+    """SIGSTOPped past client_timeout_ms (a frozen VM, a starved CPU), the daemon's first
+    tick after it dropped every client as silent, their pings still unread in the socket,
+    and with them their PENDING stores."""
+    import zmq
+
+    d = daemon_factory(env={"KVD_CLIENT_TIMEOUT_MS": "2000"})
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{d.socket}")
+
+    def call(msg: m.Request) -> m.Reply:
+        s.send(m.encode(msg))
+        assert s.poll(5000)
+        return m.decode_reply(s.recv())
+
+    try:
+        assert isinstance(call(m.Hello(1, m.PROTOCOL_VERSION, os.getpid(), "raw")), m.HelloOk)
+        spec = Spec(d.socket, pages=(4096,))
+        assert isinstance(call(m.Register(2, fingerprint(spec), -1)), m.Registered)
+        assert isinstance(call(m.Allocate(3, [b"k1", b"k2"])), m.Allocated)
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.0)
+            s.send(m.encode(m.Ping(4)))  # on time, by the client's clock
+            time.sleep(2.5)
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert isinstance(call(m.Ping(5)), m.Ok)  # (the queued Ping's answer: req 4)
+        assert d.status()["blocks"]["pending"] == 2
+        assert "silent for" not in d.logs()
+    finally:
+        s.close()
+        ctx.term()
