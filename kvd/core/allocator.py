@@ -87,6 +87,14 @@ class Allocator:
         """Size classes seen so far (never shrinks): with one, every slot has its size."""
         return len(self._classes)
 
+    def per_extent(self, slot_bytes: int) -> int:
+        return self._class(slot_bytes).per_extent
+
+    def extent_slot_bytes(self) -> np.ndarray:
+        """Each extent's slot size (0: a free extent)."""
+        return np.array([sc.slot_bytes if sc else 0 for sc in self._extent_class],
+                        dtype=np.int64)
+
     def total_slots(self, slot_bytes: int) -> int:
         return self.n_extents * self._class(slot_bytes).per_extent
 

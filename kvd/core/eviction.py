@@ -15,7 +15,7 @@ import numpy as np
 
 from kvd.core.allocator import Allocator
 from kvd.core.policies.base import EvictionPolicy
-from kvd.core.states import FREE, READY
+from kvd.core.states import FREE, PENDING, READY
 from kvd.core.tenants import Tenant, unscoped
 
 
@@ -97,19 +97,35 @@ class Evictor:
                     if len(chosen) == need:
                         break
         n = self._evict_keys(chosen, tenant, out)
-        # Still short: empty whole extents of other size classes, in policy order.
-        while allocator.free_slots(want) < n_new and len(policy):
-            before = len(policy)
-            extra = []
-            for key in policy.victims():
-                if pin_of(entries[key]) == 0:
-                    extra.append(key)
-                    if len(extra) >= 64:
-                        break
-            n += self._evict_keys(extra, tenant, out)
-            if len(policy) == before:
-                break
+        if allocator.free_slots(want) < n_new:  # still short
+            n += self._empty_extents(tenant, n_new, out)
         return n
+
+    def _empty_extents(self, tenant: Tenant, n_new: int, out: list[bytes]) -> int:
+        """Room for ``n_new`` slots of ``tenant``'s size by emptying whole extents of
+        other sizes. Only an extent whose every block is READY and unpinned can empty: a
+        lease or a store in one keeps it (evicting its other blocks freed nothing, and
+        evicting in policy order until the policy ran dry emptied another tenant's whole
+        cache for no slot). Fewest blocks first: the least lost per extent freed."""
+        ix = self.ix
+        alloc = ix.allocator
+        want = tenant.slot_bytes
+        short = n_new - alloc.free_slots(want)
+        spm = alloc.slots_per_extent_max
+        state = ix.state.reshape(alloc.n_extents, spm)
+        stuck = ((state == PENDING) | (ix.pins.reshape(alloc.n_extents, spm) > 0)).any(axis=1)
+        sizes = alloc.extent_slot_bytes()
+        ready = (state == READY).sum(axis=1)
+        free_able = np.flatnonzero(~stuck & (sizes != want) & (sizes != 0))
+        if not len(free_able) or short <= 0:
+            return 0
+        extents = free_able[np.argsort(ready[free_able], kind="stable")]
+        extents = extents[:-(-short // alloc.per_extent(want))]
+        rows, cols = np.nonzero(state[extents] == READY)
+        slots = (extents[rows] * spm + cols).tolist()
+        keys = list(map(ix._slot_key.__getitem__, slots))
+        deque(map(ix.policy.remove, keys), maxlen=0)  # not its victims: its own order
+        return self._evict_keys(keys, tenant, out, told=True)
 
     def _evict_keys(self, keys: list[bytes], tenant: Tenant, out: list[bytes],
                     told: bool = False) -> int:

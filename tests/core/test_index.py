@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, PENDING, READY, Index
+from kvd.core.states import FREE
 from kvd.core.policies import make_policy, policy_names
 from kvd.core.tenants import Tenants
 
@@ -255,3 +256,22 @@ def test_pins_count_a_slot_once_per_call_whatever_the_size(calls):
     for a in reversed(arrays):
         ix.unpin(a)
     assert not ix.pins.any() and ix.pinned_blocks == 0
+
+
+def test_room_for_another_size_empties_only_extents_that_can_empty():
+    """Another size's Allocate evicted in policy order until the policy ran dry when one
+    lease sat in every extent: a tenant's whole cache went, and no extent came free."""
+    a = Allocator(4 * 16 * BLOCK, 16 * BLOCK, 1024)  # 4 extents; 16 small or 4 big slots
+    ix = Index(a, make_policy("lru", 64))
+    tenants = Tenants()
+    small = tenants.get_or_create("s", model="s", tp_size=1, rank_page_bytes=(BLOCK,))
+    big = tenants.get_or_create("b", model="b", tp_size=1, rank_page_bytes=(4 * BLOCK,))
+    store(ix, small, [k(i) for i in range(64)])  # every extent full of small blocks
+    leases = [ix.lookup(small, [k(e * 16 + 15)], lease_s=60.0)[2] for e in range(4)]
+    r = ix.allocate(big, [b"big0"])
+    assert (r.allocated, r.evicted_total, ix.ready_blocks) == (0, 0, 64)  # nothing lost
+    ix.release(leases[2])  # extent 2 can empty now: only its 16 blocks go
+    r = ix.allocate(big, [b"big0", b"big1"])
+    assert (r.allocated, r.evicted_total, ix.ready_blocks) == (2, 16, 48)
+    assert all(ix.contains(small, k(i)) == FREE for i in range(32, 48))
+    assert all(ix.contains(small, k(i)) == READY for i in [*range(32), *range(48, 64)])
