@@ -50,6 +50,7 @@ class Tenant:
     full_mask: int = 0  # all ranks stored
     clients: set[int] = field(default_factory=set)
     idle_since: float = 0.0  # when its last client left (0: restored, never joined)
+    dropped: bool = False  # forgotten (tenant limit): work still in flight for it lapses
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.tp_size > 64:
@@ -98,6 +99,7 @@ class Tenants:
 
     def drop(self, tenant: Tenant) -> None:
         """Forget a tenant (its id is not reused: what is left of it is never found)."""
+        tenant.dropped = True
         self._by_id.pop(tenant.id, None)
         if self._by_digest.get(tenant.digest) is tenant:
             del self._by_digest[tenant.digest]
@@ -109,8 +111,9 @@ class Tenants:
 
     def make_room(self, evict: Callable[[Tenant], int]) -> list[tuple[Tenant, int]]:
         """At the limit, drop idle tenants until one more fits; ``evict`` frees a
-        tenant's blocks (returns how many). A tenant with a block still held (a
-        promotion in flight) stays. Returns (tenant, blocks evicted) per tenant dropped."""
+        tenant's blocks (returns how many). A tenant with a block still held (leased,
+        being copied) stays; its tier reads in flight lapse (``Tenant.dropped``).
+        Returns (tenant, blocks evicted) per tenant dropped."""
         dropped: list[tuple[Tenant, int]] = []
         if len(self._by_id) < self.max_tenants:
             return dropped

@@ -319,6 +319,9 @@ class Tiering:
         if error is not None:
             self._tier_error("remote", error)
             run = 0
+        if probe.tenant.dropped and run:  # (the tenant limit) while the cluster was asked
+            self.counters.promote_failed += run
+            run = 0
         got = (self._promote("remote", probe.tenant, probe.keys[:run], probe.depth,
                              probe.parent) if run else 0)
         if not probe.answered:
@@ -371,6 +374,8 @@ class Tiering:
         if error is not None:
             self._tier_error(name, error)
         ok, sums = result if result is not None else (0, [])
+        if tenant.dropped:  # while the tier read: its blocks would belong to no tenant
+            ok = 0
         # Still pinned here: a slot the index gave up meanwhile (expired) is FREE, not
         # reused, so store_done passes it over; unpinning frees it afterwards.
         ready = 0  # what came up: a read that ended after its slots expired brings none

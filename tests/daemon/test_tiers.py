@@ -13,6 +13,7 @@ from kvd_proto.ids import unpack_u32
 
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
 from tests.daemon.workers import Spec, Worker
+from tests.waiting import wait_for
 
 PAGES = (8192, 4096)  # a 12 KiB block
 N = 64  # blocks per round (a worker's memory)
@@ -340,3 +341,33 @@ def test_a_cluster_down_at_start_is_counted_and_ram_serves(daemon_factory):
     assert (hits, got) == (N, digest)
     st = d.wait_counter("write_behind_dropped", N)  # the write-behind failed, counted
     assert st["counters"]["written_behind_blocks"] == 0
+
+
+def test_a_tenant_dropped_while_the_cluster_is_asked_gets_no_blocks(daemon_factory,
+                                                                   redis_server, tmp_path):
+    """At the tenant limit an idle tenant was dropped while a remote probe for it was in
+    flight; the answer then promoted its blocks anyway: READY blocks of no tenant, which
+    no engine could ever hit, announced on a topic with no model."""
+    a = daemon_factory("--remote", redis_server.url)
+    ks, _ = store_round(a, "p-", seed=3)
+    a.wait_counter("written_behind_blocks", N)
+    a.stop()
+    cfg = tmp_path / "b.toml"
+    cfg.write_text("remote_timeout_ms = 8000\nmax_tenants = 1\n")
+    b = daemon_factory("--config", str(cfg), "--remote", redis_server.url)
+    first = scheduler(b, Spec(b.socket, pages=PAGES))
+    pid = redis_server.node.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # the probe waits for the cluster
+    try:
+        r = first.request(m.Lookup(first.next_req(), ks))
+        assert (r.hits, r.pending) == (0, 0)  # answered without it (remote_lookup_ms)
+        first.close()
+        second = scheduler(b, Spec(b.socket, model="other", pages=PAGES))  # drops "tiny"
+        assert wait_for(lambda: "dropped with 0 blocks" in b.logs(), 10)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    st = b.wait_counter("promote_failed", N, timeout=15)
+    assert st["counters"]["remote_hit_blocks"] == 0
+    assert st["blocks"]["ready"] == sum(t["blocks"] for t in st["tenants"]) == 0
+    assert (st["blocks"]["pending"], st["blocks"]["pinned"]) == (0, 0)
+    second.close()
