@@ -47,6 +47,7 @@ class TenantRec(msgspec.Struct, array_like=True, tag="t"):
     model: str
     tp_size: int
     rank_page_bytes: list[int]
+    block_tokens: int = 0  # added later (0: unknown until an engine registers)
 
 
 class Commit(msgspec.Struct, array_like=True, tag="c"):

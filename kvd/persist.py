@@ -103,7 +103,8 @@ class Persistence:
         by_id: dict[int, Tenant] = {}
         for t in rp.tenants.values():
             by_id[t.id] = tenants.restore(t.id, t.digest, model=t.model, tp_size=t.tp_size,
-                                          rank_page_bytes=tuple(t.rank_page_bytes))
+                                          rank_page_bytes=tuple(t.rank_page_bytes),
+                                          block_tokens=t.block_tokens)
         alloc = index.allocator
         of_tenant: dict[int, list] = {}  # one pass, not one per tenant (up to 1,024)
         for b in rp.blocks.values():
@@ -134,15 +135,15 @@ class Persistence:
 
     def snapshot(self, index: Index, tenants: Tenants) -> list[Record]:
         out: list[Record] = [self.header]
-        out += [TenantRec(t.id, t.digest, t.model, t.tp_size, list(t.rank_page_bytes))
-                for t in tenants]
+        out += [_tenant_rec(t) for t in tenants]
         out += [Commit(tid, key, slot, depth, sums, parent or b"")
                 for tid, key, slot, depth, sums, parent in index.live_blocks()]
         return out
 
     # ------------------------------------------------------------ running
     def tenant_added(self, t: Tenant) -> None:
-        self._write([TenantRec(t.id, t.digest, t.model, t.tp_size, list(t.rank_page_bytes))])
+        """A new tenant, or one whose record changed (its block_tokens learned)."""
+        self._write([_tenant_rec(t)])
 
     def drain(self, index: Index) -> None:
         """Write the index's queued commits and drops (before any reply goes out)."""
@@ -262,3 +263,8 @@ def _lock(path: str) -> int | None:
         os.close(fd)  # a stale file: its holder removed it and another took its place
     log.warning("cannot lock %s: it keeps being replaced", lock)
     return None
+
+
+def _tenant_rec(t: Tenant) -> TenantRec:
+    return TenantRec(t.id, t.digest, t.model, t.tp_size, list(t.rank_page_bytes),
+                     t.block_tokens)

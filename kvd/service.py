@@ -75,7 +75,6 @@ class Service:
             self.persist = Persistence(config.journal, Header(
                 config.pool_size, config.extent_size, config.min_slot_bytes))
             self.persist.recover(self.index, self.tenants, pool.array, pool.reused)
-        self._block_tokens: dict[int, int] = {}  # tenant id -> tokens per block
         self.kv_events: KvEvents | None = None  # fleet routing (kvd.publisher)
         if config.events_endpoint:
             self.kv_events = KvEvents(
@@ -125,7 +124,7 @@ class Service:
 
     def _tenant_info(self, tenant_id: int) -> TenantInfo:
         t = self.tenants.get(tenant_id)
-        return TenantInfo(t.model if t else "", self._block_tokens.get(tenant_id, 0))
+        return TenantInfo(t.model if t else "", t.block_tokens if t else 0)
 
     def _held(self) -> list[tuple]:
         """Every READY block as a commit tuple, for the event stream: chain by chain,
@@ -284,7 +283,8 @@ class Service:
             if tenant is None:
                 self._make_room_for_a_tenant()
                 tenant = self.tenants.create(
-                    digest, model=fp.model, tp_size=fp.tp_size, rank_page_bytes=tuple(pages))
+                    digest, model=fp.model, tp_size=fp.tp_size, rank_page_bytes=tuple(pages),
+                    block_tokens=fp.block_tokens)
                 if self.persist is not None:
                     self.persist.tenant_added(tenant)
         except (TenantError, AllocatorError) as e:
@@ -297,7 +297,10 @@ class Service:
                     self.tenants.drop(tenant)
                 raise
         client.tenant, client.rank = tenant, msg.rank
-        self._block_tokens[tenant.id] = fp.block_tokens
+        if tenant.block_tokens != fp.block_tokens:  # restored from an older journal
+            tenant.block_tokens = fp.block_tokens
+            if self.persist is not None:
+                self.persist.tenant_added(tenant)
         tenant.clients.add(client.id)
         log.info("client %d (pid %d, %s) joined tenant %d (%s) as rank %d%s", client.id,
                  client.pid, client.name or "-", tenant.id, tenant.model, msg.rank,
@@ -340,7 +343,7 @@ class Service:
         hits, slots, lease, pending = self.index.lookup(
             tenant, msg.keys, owner=client.id, depth=msg.depth, now=self.clock(),
             lease_s=lease_s)
-        tokens = self._block_tokens.get(tenant.id, 0)
+        tokens = tenant.block_tokens
         self.counters.lookup_tokens += len(msg.keys) * tokens
         self.counters.hit_tokens += hits * tokens
         reply = m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)

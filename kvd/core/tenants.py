@@ -50,6 +50,7 @@ class Tenant:
     full_mask: int = 0  # all ranks stored
     clients: set[int] = field(default_factory=set)
     idle_since: float = 0.0  # when its last client left (0: restored, never joined)
+    block_tokens: int = 0  # tokens per block (part of the fingerprint; KV events, counters)
     dropped: bool = False  # forgotten (tenant limit): work still in flight for it lapses
 
     def __post_init__(self) -> None:
@@ -81,11 +82,12 @@ class Tenants:
         return self._by_digest.get(digest)
 
     def create(self, digest: str, *, model: str, tp_size: int,
-               rank_page_bytes: tuple[int, ...]) -> Tenant:
+               rank_page_bytes: tuple[int, ...], block_tokens: int = 0) -> Tenant:
         if len(self._by_id) >= self.max_tenants:
             raise TenantError(f"tenant limit ({self.max_tenants}) reached: every tenant "
                               "has a client or blocks held by a transfer")
-        t = Tenant(self._next, digest, model, tp_size, tuple(rank_page_bytes))
+        t = Tenant(self._next, digest, model, tp_size, tuple(rank_page_bytes),
+                   block_tokens=block_tokens)
         self._next += 1
         self._by_digest[digest] = t
         self._by_id[t.id] = t
@@ -127,9 +129,10 @@ class Tenants:
         return dropped
 
     def restore(self, tenant_id: int, digest: str, *, model: str, tp_size: int,
-                rank_page_bytes: tuple[int, ...]) -> Tenant:
+                rank_page_bytes: tuple[int, ...], block_tokens: int = 0) -> Tenant:
         """Recreate a tenant with the id it had before a restart."""
-        t = Tenant(tenant_id, digest, model, tp_size, tuple(rank_page_bytes))
+        t = Tenant(tenant_id, digest, model, tp_size, tuple(rank_page_bytes),
+                   block_tokens=block_tokens)
         old = self._by_digest.get(digest)
         if old is None or old.id < tenant_id:  # one dropped and made again: the newer
             self._by_digest[digest] = t

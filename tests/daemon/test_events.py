@@ -202,6 +202,8 @@ def test_blocks_announced_again_keep_their_parents(daemon_factory):
         events = decode(sub.recv()[2]).events
         assert events[0] == AllBlocksCleared()
         assert chain_stored(events) == [([published(k) for k in ks[2:]], published(ks[1]))]
+        sizes = {e.block_size for e in events if isinstance(e, BlockStored)}
+        assert len(sizes) == 1 and 0 not in sizes
         eng.sched.request(m.Release(eng.sched.next_req(), lk.lease))
         sub.close()
         eng.store(ks[:2])  # the whole chain again, in two parts
@@ -210,13 +212,16 @@ def test_blocks_announced_again_keep_their_parents(daemon_factory):
         eng.store(other)
     finally:
         eng.close()
-    d.restart()  # its first batch (before anyone subscribed): from the replay buffer
+    d.kill()  # (its journal as appended, not a clean stop's snapshot)
+    d.start()  # its first batch (before anyone subscribed): from the replay buffer
     batches = replay(endpoints(d)[1], 0)
     assert batches
     events = decode(batches[0][2]).events
     assert events[0] == AllBlocksCleared()
     assert sorted(chain_stored(events)) == sorted([  # one event per chain
         ([published(k) for k in ks], None), ([published(k) for k in other], None)])
+    # With the tokens per block the engine registered (they were 0 until it came back).
+    assert {e.block_size for e in events if isinstance(e, BlockStored)} == sizes
 
 
 def test_blocks_promoted_from_disk_name_the_block_before_them(daemon_factory, tmp_path):
