@@ -366,9 +366,13 @@ def _down(cluster, node):
     finally:
         node.start()
         assert node.wait_up()
-        cluster.wait_ok()
+        # Its peers may have flagged it failed: they clear that a while after it is back,
+        # and with full coverage on again the cluster would refuse every key meanwhile.
+        assert wait_for(lambda: not any("fail" in cluster.node_cli(i, "CLUSTER", "NODES")
+                                        for i in range(3)), 60)
         for i in range(3):
             cluster.node_cli(i, "CONFIG", "SET", "cluster-require-full-coverage", "yes")
+        cluster.wait_ok()
 
 
 def test_a_tier_connects_while_the_first_master_is_down(redis_cluster, raw):
