@@ -8,7 +8,7 @@ when a slot is free again (never while a copy or a lease still pins it).
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
+from itertools import compress, islice, repeat
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +17,8 @@ from kvd.core.allocator import Allocator
 from kvd.core.policies.base import EvictionPolicy
 from kvd.core.states import FREE, PENDING, READY
 from kvd.core.tenants import Tenant, unscoped
+
+SCAN = 4096  # victims read for a block size before an extent of another size is emptied
 
 
 class Table(Protocol):
@@ -78,51 +80,82 @@ class Evictor:
         class first. The caller's keys among the victims go to ``out``."""
         ix = self.ix
         policy, allocator = ix.policy, ix.allocator
-        want = tenant.slot_bytes
-        chosen: list[bytes] = []
-        entries, pin_of, bytes_of = ix.entries, ix.pins.item, allocator.slot_bytes_of
         if allocator.size_classes == 1 and not ix._pin_calls:  # any will do
             return self._evict_keys(policy.evict(need), tenant, out, told=True)
         if allocator.size_classes == 1:  # every READY block has this size
-            for key in policy.victims():
-                if pin_of(entries[key]) == 0:
-                    chosen.append(key)
-                    if len(chosen) == need:
-                        break
+            chosen, cut = self._victims(None, need, None)
         else:
-            for key in policy.victims():
-                slot = entries[key]
-                if pin_of(slot) == 0 and bytes_of(slot) == want:
-                    chosen.append(key)
-                    if len(chosen) == need:
-                        break
+            chosen, cut = self._victims(tenant.slot_bytes, need, SCAN + 4 * need)
         n = self._evict_keys(chosen, tenant, out)
-        if allocator.free_slots(want) < n_new:  # still short
-            n += self._empty_extents(tenant, n_new, out)
+        if allocator.free_slots(tenant.slot_bytes) < n_new:  # still short
+            emptied = self._empty_extents(tenant, n_new, out)
+            n += emptied
+            if cut and not emptied:  # no extent can empty: look further down the order
+                more, _ = self._victims(tenant.slot_bytes, need - len(chosen), None)
+                n += self._evict_keys(more, tenant, out)
         return n
+
+    def _victims(self, size: int | None, need: int,
+                 limit: int | None) -> tuple[list[bytes], bool]:
+        """The policy's first ``need`` unpinned victims (of slot size ``size``, when
+        given), looking at most ``limit`` deep (None: all the way); and whether it
+        stopped at ``limit``. Read in growing chunks, checked with numpy per chunk.
+
+        Why the limit: with two block sizes, the caller's own blocks may sit behind
+        every block of the other size, and reading the whole order on every short
+        Allocate cost O(pool) (3 s for a million blocks). Past the limit an extent of
+        the other size is emptied instead, the colder cache giving way."""
+        ix = self.ix
+        entries, pins, alloc = ix.entries, ix.pins, ix.allocator
+        it = ix.policy.victims()
+        chosen: list[bytes] = []
+        seen, chunk = 0, max(64, 2 * need)
+        while len(chosen) < need:
+            if limit is not None and seen >= limit:
+                return chosen, True
+            keys = list(islice(it, chunk if limit is None else min(chunk, limit - seen)))
+            if not keys:
+                break
+            seen += len(keys)
+            slots = np.fromiter(map(entries.__getitem__, keys), np.int64, len(keys))
+            ok = pins[slots] == 0
+            if size is not None:
+                ok &= alloc.slot_bytes_array(slots) == size
+            chosen.extend(compress(keys, ok.tolist()))
+            chunk *= 2
+        return chosen[:need], False
 
     def _empty_extents(self, tenant: Tenant, n_new: int, out: list[bytes]) -> int:
         """Room for ``n_new`` slots of ``tenant``'s size by emptying whole extents of
         other sizes. Only an extent whose every block is READY and unpinned can empty: a
         lease or a store in one keeps it (evicting its other blocks freed nothing, and
         evicting in policy order until the policy ran dry emptied another tenant's whole
-        cache for no slot). Fewest blocks first: the least lost per extent freed."""
+        cache for no slot). Fewest blocks first: the least lost per extent freed. Rows
+        are checked one extent at a time until enough can empty, so a large pool is not
+        scanned whole on every short Allocate."""
         ix = self.ix
         alloc = ix.allocator
         want = tenant.slot_bytes
         short = n_new - alloc.free_slots(want)
-        spm = alloc.slots_per_extent_max
-        state = ix.state.reshape(alloc.n_extents, spm)
-        stuck = ((state == PENDING) | (ix.pins.reshape(alloc.n_extents, spm) > 0)).any(axis=1)
-        sizes = alloc.extent_slot_bytes()
-        ready = (state == READY).sum(axis=1)
-        free_able = np.flatnonzero(~stuck & (sizes != want) & (sizes != 0))
-        if not len(free_able) or short <= 0:
+        if short <= 0:
             return 0
-        extents = free_able[np.argsort(ready[free_able], kind="stable")]
-        extents = extents[:-(-short // alloc.per_extent(want))]
-        rows, cols = np.nonzero(state[extents] == READY)
-        slots = (extents[rows] * spm + cols).tolist()
+        spm = alloc.slots_per_extent_max
+        state, pins = ix.state, ix.pins
+        need = -(-short // alloc.per_extent(want))
+        extents: list[int] = []
+        for e in alloc.other_extents(want):  # a row per extent, until enough can empty
+            row = slice(e * spm, (e + 1) * spm)
+            if pins[row].any() or (state[row] == PENDING).any():
+                continue
+            extents.append(e)
+            if len(extents) == need:
+                break
+        if not extents:
+            return 0
+        ext = np.array(extents, dtype=np.int64)
+        state = state.reshape(alloc.n_extents, spm)
+        rows, cols = np.nonzero(state[ext] == READY)
+        slots = (ext[rows] * spm + cols).tolist()
         keys = list(map(ix._slot_key.__getitem__, slots))
         deque(map(ix.policy.remove, keys), maxlen=0)  # not its victims: its own order
         return self._evict_keys(keys, tenant, out, told=True)

@@ -4,6 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd.core import eviction
 from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, PENDING, READY, Index
 from kvd.core.states import FREE
@@ -275,3 +276,61 @@ def test_room_for_another_size_empties_only_extents_that_can_empty():
     assert (r.allocated, r.evicted_total, ix.ready_blocks) == (2, 16, 48)
     assert all(ix.contains(small, k(i)) == FREE for i in range(32, 48))
     assert all(ix.contains(small, k(i)) == READY for i in [*range(32), *range(48, 64)])
+
+
+def test_room_for_another_size_empties_the_emptiest_extent_first():
+    """The extent with fewest blocks goes: the least cache lost for one freed extent."""
+    a = Allocator(4 * 16 * BLOCK, 16 * BLOCK, 1024)
+    ix = Index(a, make_policy("lru", 64))
+    tenants = Tenants()
+    small = tenants.get_or_create("s", model="s", tp_size=1, rank_page_bytes=(BLOCK,))
+    big = tenants.get_or_create("b", model="b", tp_size=1, rank_page_bytes=(4 * BLOCK,))
+    slots = store(ix, small, [k(i) for i in range(64)]).slots
+    spm = a.slots_per_extent_max
+    by_extent = {e: [s for s in slots if s // spm == e] for e in range(4)}
+    ix.discard(by_extent[2][:11])  # extent 2 keeps 5 blocks, the others 16
+    ix.discard(by_extent[0][:3])  # extent 0 keeps 13
+    r = ix.allocate(big, [b"big0"])
+    assert (r.allocated, r.evicted_total, ix.ready_blocks) == (1, 5, 64 - 14 - 5)
+    assert all(a.slot_bytes_of(s) == BLOCK for e in (0, 1, 3) for s in by_extent[e][-1:])
+
+
+def _two_sizes(monkeypatch, scan: int):
+    """4 extents: small blocks (16 a extent) stored first in two, big ones (4 a extent)
+    after them in the other two; LRU order: every small block before any big one."""
+    monkeypatch.setattr(eviction, "SCAN", scan)
+    a = Allocator(4 * 16 * BLOCK, 16 * BLOCK, 1024)
+    ix = Index(a, make_policy("lru", 64))
+    tenants = Tenants()
+    small = tenants.get_or_create("s", model="s", tp_size=1, rank_page_bytes=(BLOCK,))
+    big = tenants.get_or_create("b", model="b", tp_size=1, rank_page_bytes=(4 * BLOCK,))
+    store(ix, small, [k(i) for i in range(32)])
+    store(ix, big, [k(100 + i) for i in range(8)])
+    return ix, small, big
+
+
+def test_another_size_behind_the_scan_limit_empties_an_extent(monkeypatch):
+    """Reading the whole eviction order for blocks of one's own size cost O(pool) on
+    every short Allocate. Past the limit, the colder size gives up an extent."""
+    ix, small, big = _two_sizes(monkeypatch, scan=8)
+    r = ix.allocate(big, [k(200)])
+    assert (r.allocated, r.evicted_total, r.evicted) == (1, 16, [])
+    assert all(ix.contains(big, k(100 + i)) == READY for i in range(8))
+    assert sum(ix.contains(small, k(i)) == READY for i in range(32)) == 16
+
+
+def test_another_size_within_the_scan_limit_evicts_its_own(monkeypatch):
+    ix, small, big = _two_sizes(monkeypatch, scan=4096)
+    r = ix.allocate(big, [k(200)])
+    assert (r.allocated, r.evicted_total, r.evicted) == (1, 1, [k(100)])
+    assert all(ix.contains(small, k(i)) == READY for i in range(32))
+
+
+def test_past_the_scan_limit_with_no_extent_to_empty_its_own_go(monkeypatch):
+    """Leases in both small extents: none can empty, so the rest of the order is read."""
+    ix, small, big = _two_sizes(monkeypatch, scan=8)
+    for i in (0, 16):
+        ix.lookup(small, [k(i)], lease_s=60.0)
+    r = ix.allocate(big, [k(200)])
+    assert (r.allocated, r.evicted_total, r.evicted) == (1, 1, [k(100)])
+    assert all(ix.contains(small, k(i)) == READY for i in range(32))
