@@ -51,7 +51,7 @@ class Allocator:
         self._extent_class: list[_SizeClass | None] = [None] * self.n_extents
         self._extent_free: list[list[int]] = [[] for _ in range(self.n_extents)]
         self._extent_used = [0] * self.n_extents
-        self._extent_bytes = np.zeros(self.n_extents, dtype=np.int64)  # slot size; 0: free
+        self._extent_slot_bytes = np.zeros(self.n_extents, dtype=np.int64)  # slot size; 0: free
         self._classes: dict[int, _SizeClass] = {}
         self.used_bytes = 0
         self.used_slots = 0
@@ -102,7 +102,7 @@ class Allocator:
 
     def slot_bytes_array(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's size (0: its extent serves no size class), for whole batches."""
-        return self._extent_bytes[slots // self.slots_per_extent_max]
+        return self._extent_slot_bytes[slots // self.slots_per_extent_max]
 
     def total_slots(self, slot_bytes: int) -> int:
         return self.n_extents * self._class(slot_bytes).per_extent
@@ -169,7 +169,7 @@ class Allocator:
         else:
             self._free_extents.remove(e)
         self._extent_class[e] = sc
-        self._extent_bytes[e] = sc.slot_bytes
+        self._extent_slot_bytes[e] = sc.slot_bytes
         self._extent_free[e] = list(range(sc.per_extent - 1, -1, -1))
         sc.extents.add(e)
         sc.partial.add(e)
@@ -229,7 +229,7 @@ class Allocator:
                 sc.extents.discard(e)
                 sc.free -= sc.per_extent - 1
                 ext_class[e] = None
-                self._extent_bytes[e] = 0
+                self._extent_slot_bytes[e] = 0
                 ext_free[e] = []
                 self._free_extents.append(e)
         self.used_bytes -= nbytes
