@@ -40,10 +40,10 @@ from kvd_proto.ids import pack_u32, unpack_u32
 log = logging.getLogger("kvd.service")
 # Sizes no engine comes near (see kvd.registration): a key is kept for its block's life.
 MAX_KEY = 1024  # bytes of one block key (vLLM's are 36)
+MAX_DEPTH = (1 << 32) - 1  # a block's position in its request, as tier headers keep it
 # Ticks further apart than this mean the daemon did not run (SIGSTOP, a frozen VM, a
 # starved CPU): the time beyond it is not held against its clients' silence.
 AWAY_S = 1.0
-MAX_DEPTH = (1 << 32) - 1  # a block's position in its request, as tier headers keep it
 Send = Callable[[bytes, m.Reply], None]
 
 

@@ -319,8 +319,8 @@ class DiskTier(Tier):
                 self._entries[w.scoped] = p
                 self.policy.insert(w.scoped, p.depth)
             self.counts["written_blocks"] += len(puts)
-            compact = self.clock() >= self._compact_after and (
-                self._records > max(self.compact_min_records, 4 * len(self._entries)))
+            compact = (self._records > max(self.compact_min_records, 4 * len(self._entries))
+                       and self.clock() >= self._compact_after)
         try:
             if self.sync:
                 self.journal.sync()
