@@ -4,10 +4,11 @@ Users write ``"kv_connector": "KvdConnector", "kv_connector_module_path":
 "kvd_client.vllm"``. Before vLLM's constructor runs, the connector names kvd's spec in
 the extra config (the same dict vLLM's spec factory reads, one copy per process) and
 adds what the spec cannot see on its own (hash algorithm, model dtype, the model's
-revision). It switches
-``kv_load_failure_policy`` to "recompute" when the user left vLLM's default "fail" (the
-scheduler reads it right after building the connector) and reports the worker's failed
-loads through ``get_block_ids_with_load_errors``, so vLLM recomputes those tokens.
+revision and download directory, the settings that change its KV: ``config_digest``).
+It switches ``kv_load_failure_policy`` to "recompute" when the user left vLLM's default
+"fail" (the scheduler reads it right after building the connector) and reports the
+worker's failed loads through ``get_block_ids_with_load_errors``, so vLLM recomputes
+those tokens.
 It also hands each arriving request's keys to the manager, whose Lookup then goes out
 before the request's first scheduling pass instead of parking it for a step.
 
@@ -40,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.kv_offload.base import make_offload_key
 
+from kvd_client.vllm.fingerprint import config_digest
 from kvd_client.vllm.idle import IdleFlush
 from kvd_client.vllm.options import KvdOptions
 from kvd_client.vllm.version import check_vllm_version, vllm_minor
@@ -71,6 +73,9 @@ def prepare_config(vllm_config: object) -> None:
                      str(vllm_config.model_config.dtype).removeprefix("torch."))  # type: ignore[attr-defined]
     extra.setdefault("kvd_model_revision",
                      getattr(vllm_config.model_config, "revision", None))  # type: ignore[attr-defined]
+    extra.setdefault("kvd_download_dir",
+                     getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
+    extra.setdefault("kvd_config_digest", config_digest(vllm_config))
     keep = extra.get("keep_load_failure_policy") in (True, "true", "1", 1)
     if ktc.kv_load_failure_policy == "fail" and not keep:
         ktc.kv_load_failure_policy = "recompute"

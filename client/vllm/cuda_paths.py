@@ -8,7 +8,7 @@
   daemon gives their pending slots back when no rank stored with the ticket within
   10 s) and this engine reads what others stored.
 - a reason (``str``) from ``cuda_data_path``: no CUDA usable here (no bindings, bindings
-  of another CUDA major, no device): the worker runs without offloading (``OffloadOff``).
+  of another CUDA major, no device): the worker runs without offloading (``kvd_client.vllm.off.OffloadOff``).
 
 vLLM must start and serve in every case: refusals are typed (``KvdClientError``) and end
 here, with one log line; the caller counts which path was taken.
@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from kvd_client.cuda import (ClientCopier, CudaExportRefused, EventRing, GpuTensor,
                              export_regions)
 from kvd_client.cudart import load
 from kvd_client.errors import KvdClientError
-from kvd_client.vllm.failopen import Boundary
 from kvd_client.vllm.fingerprint import split_pages
 from kvd_proto import messages as m
 
@@ -173,41 +171,3 @@ def cuda_data_path(gpu: Sequence[GpuTensor], api: CudaApi | None = None
     log.warning("kvd: the daemon cannot copy this worker's KV cache (%s); this worker "
                 "copies its loads itself and skips stores", why)
     return path
-
-
-class OffloadOff(OffloadingWorker):
-    """No offloading: stores are skipped, loads fail (vLLM recomputes), counted."""
-
-    def __init__(self, rank: int, why: str) -> None:
-        self.rank = rank
-        self.why = why
-        self.boundary = Boundary(f"worker{rank}")
-        self._finished: list[TransferResult] = []
-        self._load_errors: set[int] = set()
-
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        self.boundary.count("store.skipped.offload_off")
-        self._finished.append(TransferResult(job_id, True))
-        return True
-
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any,
-                    expedited: bool = False) -> bool:
-        self.boundary.count("load.skipped.offload_off")
-        self._load_errors.update(np.asarray(dst_spec.block_ids).tolist())
-        self._finished.append(TransferResult(job_id, True))
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        done, self._finished = self._finished, []
-        return done
-
-    def wait(self, job_ids: set[int]) -> None:
-        return
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def shutdown(self) -> None:
-        log.info("kvd worker rank %d: offloading was off (%s): %s", self.rank, self.why,
-                 dict(sorted(self.boundary.counts.items())))

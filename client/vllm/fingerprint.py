@@ -14,7 +14,11 @@ the fingerprint is derived from what both have:
   ``PYTHONHASHSEED`` the root is random per engine, so the engine id stands in for it
   (a tenant private to this engine run: no hits across restarts or engines);
 - rank_page_bytes: the block's bytes split evenly over the layers; a worker describes its
-  tensors in exactly those pages (``split_pages``), whatever its physical layout.
+  tensors in exactly those pages (``split_pages``), whatever its physical layout;
+- what changes the KV of the same weights and tokens without showing in the files
+  (online quantization, ``hf_overrides`` such as another RoPE base or scaling): a digest
+  that ``KvdConnector`` fills in (``config_digest``); the weights' own stamp is added by
+  the spec (``kvd_client.vllm.weights``).
 
 The scheduler checks the recomputed root against vLLM's real ``NONE_HASH`` at the first
 request (``root_hash_matches``) and turns kvd off for the engine if they differ.
@@ -22,6 +26,8 @@ request (``root_hash_matches``) and turns kvd off for the engine if they differ.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -59,6 +65,9 @@ class EngineFacts:
     hash_algo: str
     engine_id: str
     num_groups: int = 1
+    pcp_size: int = 1  # prefill context parallel: ranks holding other tokens of a block
+    blocks_per_chunk: int = 1
+    config_digest: str = ""  # see ``config_digest``
 
 
 def facts_from_config(config: object, extra: dict) -> EngineFacts:
@@ -78,7 +87,32 @@ def facts_from_config(config: object, extra: dict) -> EngineFacts:
         hash_algo=str(extra.get("kvd_hash_algo") or extra.get("hash_algo") or "sha256"),
         engine_id=str(config.engine_id),  # type: ignore[attr-defined]
         num_groups=len(groups),
+        pcp_size=int(getattr(config.parallel, "pcp_size", 1) or 1),  # type: ignore[attr-defined]
+        blocks_per_chunk=int(config.cache.blocks_per_chunk),  # type: ignore[attr-defined]
+        config_digest=str(extra.get("kvd_config_digest") or ""),
     )
+
+
+def config_digest(vllm_config: object) -> str:
+    """16 hex digits naming the engine settings that change the KV of the same weights
+    and tokens but are not in the model's files: online quantization and
+    ``hf_overrides`` (another RoPE base or scaling changes every stored key). "" when
+    neither is set, so engines without them keep their tenant. Only settings that are
+    the same in every process of the engine: the scheduler and the workers must agree."""
+    mc = getattr(vllm_config, "model_config", None)
+    facts: dict[str, str] = {}
+    quant = getattr(mc, "quantization", None)
+    if quant:
+        facts["quantization"] = str(quant)
+    overrides = getattr(mc, "hf_overrides", None)
+    if callable(overrides):
+        facts["hf_overrides"] = f"{overrides.__module__}.{overrides.__qualname__}"
+    elif overrides:
+        facts["hf_overrides"] = json.dumps(overrides, sort_keys=True,
+                                           default=lambda o: type(o).__name__)
+    if not facts:
+        return ""
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def root_seed(hash_algo: str, environ: dict | os._Environ = os.environ) -> str | None:
@@ -120,11 +154,20 @@ def rank_pages(facts: EngineFacts) -> list[int]:
     return [facts.block_bytes // n] * n
 
 
-def make_fingerprint(facts: EngineFacts, root: bytes, model_version: str = "") -> Fingerprint:
+def make_fingerprint(facts: EngineFacts, root: bytes, model_version: str = "",
+                     private: bool = False) -> Fingerprint:
     """``model_version`` names the weights (``weights.weights_stamp``): engines of one
-    model name with other weights are other tenants."""
+    model name with other weights are other tenants. ``private``: a tenant of this
+    engine run alone (the weights could not be named; sharing might serve another
+    model's KV)."""
     if facts.pp_size != 1:
         raise LayoutError("kvd does not support pipeline parallelism yet (pp_size > 1)")
+    if facts.pcp_size != 1:
+        raise LayoutError("kvd does not support prefill context parallelism (pcp_size > 1):"
+                          " its ranks hold other tokens of a block under one TP rank")
+    if facts.blocks_per_chunk != 1:
+        raise LayoutError("kvd stores one vLLM block per key (blocks_per_chunk "
+                          f"{facts.blocks_per_chunk}; leave the offloading block_size unset)")
     if facts.num_groups != 1:
         raise LayoutError("kvd supports models with one KV-cache group only "
                           f"(this one has {facts.num_groups}: hybrid / sliding window)")
@@ -140,7 +183,10 @@ def make_fingerprint(facts: EngineFacts, root: bytes, model_version: str = "") -
         hash_algo=facts.hash_algo,
         root_hash=root,
         pp_rank=0,
-        extra="vllm-offloading/1" + (f";weights={model_version}" if model_version else ""),
+        extra="".join(("vllm-offloading/1",
+                       f";weights={model_version}" if model_version else "",
+                       f";config={facts.config_digest}" if facts.config_digest else "",
+                       f";engine={facts.engine_id}" if private else "")),
     )
 
 

@@ -30,27 +30,31 @@ SAMPLE_BYTES = 4096
 MAX_FILES = 512  # a bound on the work, not a limit on the model
 
 
-def model_dir(model: str, revision: str | None = None) -> str | None:
+def model_dir(model: str, revision: str | None = None,
+              download_dir: str | None = None) -> str | None:
     """Where the weights of ``model`` are: the path itself, or the local copy of a hub
-    model (never downloads; None when there is none)."""
+    model (in vLLM's ``download_dir`` when it has one; never downloads; None when there
+    is none)."""
     if os.path.isdir(model):
         return model
     try:
         from huggingface_hub import snapshot_download  # noqa: PLC0415 - optional
 
-        return snapshot_download(model, revision=revision, local_files_only=True)
+        return snapshot_download(model, revision=revision, local_files_only=True,
+                                 cache_dir=download_dir or None)
     except Exception:  # noqa: BLE001 - not a hub model here: no stamp, not an error
         return None
 
 
-def weights_stamp(model: str, revision: str | None = None) -> str:
+def weights_stamp(model: str, revision: str | None = None,
+                  download_dir: str | None = None) -> str:
     """16 hex digits naming the weights of ``model`` (see the module docstring); "" when
     its files are not found."""
     h = hashlib.sha256(f"revision={revision or ''}\0".encode())
     if os.path.isfile(model):  # one file holds it all (GGUF)
         path, names, weights = os.path.dirname(model), [], [os.path.basename(model)]
     else:
-        found = model_dir(model, revision)
+        found = model_dir(model, revision, download_dir)
         if found is None:
             return h.hexdigest()[:16] if revision else ""
         path = found

@@ -17,8 +17,8 @@ pytest.importorskip("vllm")
 from kvd_client.cuda import GpuTensor  # noqa: E402
 from kvd_client.cudart import gpu_available  # noqa: E402
 from kvd_client.vllm import cuda_paths  # noqa: E402
-from kvd_client.vllm.cuda_paths import (ClientCopyPath, CudaPath, OffloadOff,  # noqa: E402
-                                        cuda_data_path)
+from kvd_client.vllm.cuda_paths import ClientCopyPath, CudaPath, cuda_data_path  # noqa: E402
+from kvd_client.vllm.off import OffloadOff  # noqa: E402
 from kvd_proto import messages as m  # noqa: E402
 from tests.engines.fake_cuda import FakeCuda  # noqa: E402
 
