@@ -35,7 +35,7 @@ import msgspec
 import zmq
 
 from kvd_client.errors import Timeout, Unavailable
-from kvd_client.io_loop import RECEIVE_WINDOW_S, ClientStats, IOLoop, Shared, log
+from kvd_client.io_loop import MAX_QUEUED, RECEIVE_WINDOW_S, ClientStats, IOLoop, Shared, log
 from kvd_client.process import leave_compute_cpus
 from kvd_proto import messages as m
 
@@ -123,11 +123,14 @@ class Connection(Shared):
         fut: Future = Future()
         if not self._up.is_set():
             self.stats.unavailable += 1
-            fut.set_exception(Unavailable(f"kvd at {self.endpoint} is not connected"))
+            why = self._io.why_down
+            fut.set_exception(Unavailable(f"kvd at {self.endpoint} is not connected"
+                                          + (f" ({why})" if why else "")))
             return fut
         if not self._direct(msg, fut, "", _wait):
-            self._outbox.put((msg, fut, ""))
-            self._wakeup()
+            if not self._queue((msg, fut, "")):
+                fut.set_exception(Unavailable(
+                    f"the kvd client is not keeping up: {MAX_QUEUED} messages queued"))
         return fut
 
     def request(self, msg: m.Request, timeout: float | None = None) -> m.Reply:
@@ -145,7 +148,8 @@ class Connection(Shared):
     def send(self, msg: m.Transfer, instance: str = "") -> bool:
         """Queue a Transfer; its one Done reaches ``on_done`` (see the module docstring
         for when the connection itself ends it). Stamps the deadline unless the caller
-        set one. False when the connection is down: nothing was sent. With
+        set one. False when the connection is down, or ``MAX_QUEUED`` messages wait for
+        the I/O thread: nothing was sent. With
         ``instance``, the daemon run its slots belong to: connected to another run by
         the time it goes out, it ends unsent (CLIENT_GONE)."""
         if self._closed or not self._up.is_set():
@@ -154,10 +158,7 @@ class Connection(Shared):
         if not msg.deadline_ns:
             deadline = time.monotonic_ns() + int(self.transfer_timeout * 1e9)
             msg = msgspec.structs.replace(msg, deadline_ns=deadline)
-        if not self._direct(msg, None, instance):
-            self._outbox.put((msg, None, instance))
-            self._wakeup()
-        return True
+        return self._direct(msg, None, instance) or self._queue((msg, None, instance))
 
     def close(self) -> None:
         if self._closed:
@@ -217,6 +218,17 @@ class Connection(Shared):
             return True
         finally:
             self._lock.release()
+
+    def _queue(self, item: tuple[m.Request, Future | None, str]) -> bool:
+        """Hand a message to the I/O thread; False (nothing queued, counted as
+        unavailable) when ``MAX_QUEUED`` wait already: callers sending faster than the
+        thread can send fail at once instead of piling up without bound."""
+        if self._outbox.qsize() >= MAX_QUEUED:
+            self.stats.unavailable += 1
+            return False
+        self._outbox.put(item)
+        self._wakeup()
+        return True
 
     def _forked(self) -> None:
         """In a fork's child: the I/O thread and ZeroMQ's threads stayed in the parent,

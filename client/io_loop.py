@@ -38,6 +38,12 @@ RECEIVE_WINDOW_S = 0.002
 # this long for them, so a Transfer it ended is not reported CLIENT_GONE instead.
 EXIT_GRACE_S = 0.05
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # not enums
+# Messages sent from the outbox, and received, per wake-up: callers sending without pause
+# (or a flood of Dones) must not keep the thread from the other and from firing timeouts
+# (Connection bounds the outbox at MAX_QUEUED and refuses beyond it).
+FLUSH_BUDGET = 1000
+MAX_QUEUED = 2 * FLUSH_BUDGET
+MAX_PID = 1 << 22  # Linux's pid_max at most: a larger pid in a HelloOk is not a process
 
 
 @dataclass
@@ -111,6 +117,7 @@ class IOLoop:
         self.hello_sent = False
         self.hello_poll = 10  # twice the next wait for the Hello to go out, in ms
         self.greeted = False  # the daemon answered this socket's Hello
+        self.why_down = ""  # why the last connection ended or could not be made
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -118,32 +125,47 @@ class IOLoop:
         poller = self.poller = zmq.Poller()
         poller.register(c._wake, zmq.POLLIN)
         while not c._closed:
-            with c._lock:
-                now = time.monotonic()
-                if self.phase == "down" and now >= self.next_attempt:
-                    self.connect(poller)
-                # While callers receive their own replies, waking up on each of them
-                # would only compete with the caller: look every RECEIVE_WINDOW_S.
-                quiet = now < self.callers_until
-                self.watch(-1 if quiet or self.sock is None else self.sock_fd)
-                # The last look at the socket before sleeping: its FD only signals news.
-                ms = 0 if self.readable() else self.poll_ms(now)
-                if quiet:
-                    ms = min(ms, int((self.callers_until - now) * 1000) + 1)
-            events = dict(poller.poll(ms))
-            c.stats.wakeups += 1
-            with c._lock:
-                if c._wake in events:
-                    try:
-                        os.eventfd_read(c._wake)
-                    except BlockingIOError:
-                        pass
-                self.flush_outbox()
-                self.drain()
-                # After the socket: the daemon's last Dones may have come with its exit.
-                if self.daemon_fd >= 0 and self.daemon_fd in events:
-                    self.daemon_exited()
-                self.timers(time.monotonic())
+            try:
+                self.step(poller)
+            except Exception as e:  # noqa: BLE001 - never leave the engine without kvd for good
+                # A bug or a reply nothing foresaw: this connection is dropped and made
+                # again, like a lost one; the thread goes on (logged whole once per
+                # kind of failure: a lasting one must not flood the engine's log).
+                why = f"client error: {e!r}"
+                if why != self.why_down:
+                    log.exception("kvd client I/O step failed; reconnecting")
+                with c._lock:
+                    self.lost(why)
+
+    def step(self, poller: zmq.Poller) -> None:
+        """One wait for news, and the work it brings."""
+        c = self.c
+        with c._lock:
+            now = time.monotonic()
+            if self.phase == "down" and now >= self.next_attempt:
+                self.connect(poller)
+            # While callers receive their own replies, waking up on each of them
+            # would only compete with the caller: look every RECEIVE_WINDOW_S.
+            quiet = now < self.callers_until
+            self.watch(-1 if quiet or self.sock is None else self.sock_fd)
+            # The last look at the socket before sleeping: its FD only signals news.
+            ms = 0 if self.readable() or not c._outbox.empty() else self.poll_ms(now)
+            if quiet:
+                ms = min(ms, int((self.callers_until - now) * 1000) + 1)
+        events = dict(poller.poll(ms))
+        c.stats.wakeups += 1
+        with c._lock:
+            if c._wake in events:
+                try:
+                    os.eventfd_read(c._wake)
+                except BlockingIOError:
+                    pass
+            self.flush_outbox(budget=FLUSH_BUDGET)
+            self.drain(budget=FLUSH_BUDGET)
+            # After the socket: the daemon's last Dones may have come with its exit.
+            if self.daemon_fd >= 0 and self.daemon_fd in events:
+                self.daemon_exited()
+            self.timers(time.monotonic())
 
     def watch(self, fd: int) -> None:
         """Poll ``fd`` (the socket's FD; -1: none) from now on."""
@@ -193,11 +215,15 @@ class IOLoop:
             entry[0].set_result(reply)
         return True  # (or a late answer to a call that timed out: dropped, as receive does)
 
-    def drain(self) -> None:
+    def drain(self, budget: int | None = None) -> None:
+        """Handle what came (``budget``: at most that many messages from the socket
+        now; the loop comes back at once for the rest, after the timers)."""
         inbox, self.inbox = self.inbox, []
         for data in inbox:
             self.receive(data)
-        while self.readable():
+        for _ in itertools.repeat(None) if budget is None else range(budget):
+            if not self.readable():
+                return
             assert self.sock is not None
             self.receive(self.sock.recv(_NOBLOCK))
 
@@ -234,7 +260,16 @@ class IOLoop:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         # Only a caller's receive window blocks in recv (the I/O thread never does).
         sock.setsockopt(zmq.RCVTIMEO, int(RECEIVE_WINDOW_S * 1000))
-        sock.connect(c.endpoint)
+        try:
+            sock.connect(c.endpoint)
+        except zmq.ZMQError as e:  # (a path too long for a socket, say): stays down
+            sock.close(linger=0)
+            self.sock = None
+            why = f"cannot connect to {c.endpoint}: {e}"
+            if why != self.why_down:
+                log.error("kvd: %s; serving without kvd", why)
+            self.lost(why, quiet=True)
+            return
         self.sock_fd = sock.getsockopt(zmq.FD)
         self.watch(self.sock_fd)
         self.sock = sock
@@ -260,11 +295,12 @@ class IOLoop:
         except (zmq.Again, zmq.ZMQError):
             return False
 
-    def flush_outbox(self, transfers: bool = True) -> None:
-        """Send what callers queued; without ``transfers`` (closing), a Transfer is
-        ended unsent instead: nobody would be left to take its Done."""
+    def flush_outbox(self, transfers: bool = True, budget: int | None = None) -> None:
+        """Send what callers queued (``budget``: at most that many now); without
+        ``transfers`` (closing), a Transfer is ended unsent instead: nobody would be
+        left to take its Done."""
         c = self.c
-        while True:
+        for _ in itertools.repeat(None) if budget is None else range(budget):
             try:
                 msg, fut, instance = c._outbox.get_nowait()
             except queue.Empty:
@@ -376,11 +412,17 @@ class IOLoop:
             self.next_attempt = time.monotonic() + 5.0  # a refusal will not fix itself fast
             return
         if isinstance(reply, m.HelloOk):
+            if not 0 <= reply.daemon_pid <= MAX_PID:  # (-1 would let anyone ptrace us)
+                log.warning("kvd's HelloOk names pid %d, no process", reply.daemon_pid)
+                self.lost(f"bad HelloOk (pid {reply.daemon_pid})", quiet=True)
+                self.next_attempt = time.monotonic() + 5.0
+                return
             self.greeted = True
             if c.instance and c.instance != reply.instance:
                 c.stats.reconnects += 1
             c.instance, c.daemon_pid = reply.instance, reply.daemon_pid
-            allow_ptrace(reply.daemon_pid)
+            if reply.daemon_pid > 0:  # (0: an older daemon; PR_SET_PTRACER 0 clears it)
+                allow_ptrace(reply.daemon_pid)
             self.watch_daemon(reply)
             if c._register is None:
                 return self.ready(None)
@@ -395,6 +437,7 @@ class IOLoop:
         c = self.c
         self.phase = "up"
         self.backoff = 0.05
+        self.why_down = ""
         c.registered = reg
         c.epoch += 1
         c._handshaking = False
@@ -413,6 +456,7 @@ class IOLoop:
         c._up.clear()
         c._handshaking = False
         self.phase = "down"
+        self.why_down = why
         self.ping_req = 0  # its answer cannot come: not a second loss once back up
         self.next_attempt = time.monotonic() + self.backoff
         self.backoff = min(self.backoff * 2, 2.0)

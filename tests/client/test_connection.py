@@ -250,9 +250,10 @@ def test_a_transfer_for_slots_of_another_daemon_run_is_never_sent(daemon):
         c.close()
 
 
-def misbehaving_daemon(path: str, answer) -> tuple:
+def misbehaving_daemon(path: str, answer, daemon_pid=lambda: 1) -> tuple:
     """A ROUTER that completes the handshake and answers everything else with
-    ``answer(request)`` (raw bytes): a daemon with a bug, or of a newer version."""
+    ``answer(request)`` (raw bytes): a daemon with a bug, or of a newer version.
+    ``daemon_pid()``: the pid its HelloOk names."""
     import threading
 
     import zmq
@@ -269,7 +270,8 @@ def misbehaving_daemon(path: str, answer) -> tuple:
             ident, data = sock.recv_multipart()
             msg = m.decode_request(data)
             if isinstance(msg, m.Hello):
-                out = m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, 1, "fake", 1, 0))
+                out = m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, daemon_pid(), "fake",
+                                         1, 0))
             elif isinstance(msg, m.Register):
                 out = m.encode(m.Registered(msg.req, 1, 4096, 4096))
             elif isinstance(msg, m.Ping):
@@ -338,4 +340,78 @@ def test_a_burst_beyond_the_sockets_queue_fails_at_once_and_says_why(daemon):
         assert c.up
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
+        c.close()
+
+
+def test_a_hello_naming_no_process_is_refused_and_the_thread_lives_on(tmp_path):
+    """A HelloOk naming pid 2**31 killed the I/O thread (pidfd_open overflowed): the
+    engine ran without kvd for good, even once a sound daemon answered. (And pid -1
+    would have let any process ptrace the engine.) Refused; retried 5 s later."""
+    pid = [2**31]
+    path = str(tmp_path / "fake.sock")
+    t, stop = misbehaving_daemon(path, lambda msg: m.encode(m.Ok(msg.req)), lambda: pid[0])
+    c = Connection(path, timeout=2)
+    try:
+        time.sleep(0.5)
+        assert not c.up and c._thread.is_alive()
+        with pytest.raises(Unavailable, match="bad HelloOk"):
+            c.request(m.Ping(c.next_req()))
+        pid[0] = os.getpid() + 1  # a sound answer: connected at the next try
+        assert c.wait_up(8) and c._thread.is_alive()
+        assert isinstance(c.request(m.Ping(c.next_req())), m.Ok)
+    finally:
+        c.close()
+        stop.set()
+        t.join(5)
+
+
+def test_a_socket_path_too_long_says_why_and_the_thread_lives_on(tmp_path):
+    """The I/O thread died on connect's error, and calls said only "not connected"."""
+    c = Connection("/tmp/" + "x" * 120 + "/kvd.sock", timeout=1)
+    try:
+        assert not c.wait_up(0.3)
+        with pytest.raises(Unavailable, match="cannot connect.*File name too long"):
+            c.request(m.Ping(c.next_req()))
+        assert c._thread.is_alive()
+    finally:
+        c.close()
+
+
+def test_the_outbox_is_bounded_and_what_it_took_ends_once(daemon):
+    """Callers sending faster than the I/O thread can send piled messages up without
+    bound (and the thread, flushing them, handled nothing else): past MAX_QUEUED a send
+    is refused at once; what was queued goes out and ends exactly once."""
+    import threading
+
+    from kvd_client.io_loop import MAX_QUEUED
+
+    dones: list[m.Done] = []
+    mem = [np.zeros((4, 4096), dtype=np.uint8)]
+    spec = Spec(daemon.socket, pages=(4096,))
+    c = Connection(daemon.socket, timeout=5, on_done=dones.append, transfer_timeout=30,
+                   register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the I/O thread cannot flush meanwhile (nor a caller send)
+        with c._lock:
+            held.set()
+            release.wait(30)
+
+    try:
+        assert c.wait_up(5)
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(5)
+        before = c.stats.unavailable
+        sent = [c.send(m.Transfer(c.next_req(), e, m.Direction.LOAD, pack_u32([0]),
+                                  pack_u32([0]))) for e in range(MAX_QUEUED + 50)]
+        assert sent.count(True) == MAX_QUEUED and not any(sent[MAX_QUEUED:])
+        assert c.stats.unavailable - before == 50
+        release.set()
+        holder.join(5)
+        assert wait_for(lambda: len(dones) == MAX_QUEUED, 30)
+        time.sleep(0.2)
+        assert sorted(d.event for d in dones) == list(range(MAX_QUEUED))
+    finally:
+        release.set()
         c.close()
