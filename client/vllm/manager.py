@@ -308,10 +308,18 @@ class KvdManager(OffloadingManager):
         return int(next(reversed(positions.values()))) // self.tokens_per_key
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self.boundary.guard("on_schedule_end", lambda: None, self._schedule_end)
+        self.boundary.guard("on_schedule_end", lambda: None,
+                            lambda: self._schedule_end(context.preempted_req_ids))
 
-    def _schedule_end(self) -> None:
+    def _schedule_end(self, preempted: Collection[str] = ()) -> None:
         self._wait_left = self.options.lookup_wait_ms / 1000
+        # A preempted request lost its blocks and is scanned again from its start: it
+        # looks up anew (a request that loaded misses after that, so that a load that
+        # failed is not tried again and again; preemption is not that).
+        for req_id in preempted:
+            st = self._reqs.pop(req_id, None)
+            if st is not None:
+                self._drop(st)
         to_send, self._to_send = self._to_send, []
         for st in to_send:
             if st.phase == COLLECT and st.keys and self._reqs.get(st.ctx.req_id) is st:

@@ -164,6 +164,26 @@ def test_lookup_batches_leases_and_loads_once(engine_side, daemon):
     assert daemon.status()["blocks"]["leases"] == 0  # released after the load
 
 
+def test_a_preempted_request_that_loaded_looks_up_again(engine_side):
+    """A request loads from kvd once; preempted, it lost its blocks and its KV is
+    recomputed in full unless it may ask kvd again (memory is tight exactly then)."""
+    mgr, worker, _ = engine_side
+    keys = keys_for("p", 3)
+    store(mgr, worker, keys, [1, 2, 3], job_id=0)
+    ctx = request("r-pre", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT] * 3
+    spec = mgr.prepare_load(keys, ctx)
+    assert worker.submit_load(1, spec, gpu([10, 11, 12]))
+    worker.wait({1})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    mgr.complete_load(keys, ctx)
+    assert scan(mgr, ctx, keys) == [MISS]  # not preempted: once
+    mgr.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=("r-pre",)))
+    assert answer(mgr, ctx, keys) == [HIT] * 3
+    assert mgr.prepare_load(keys, ctx).lease
+
+
 def test_lease_released_when_request_finishes(engine_side, daemon):
     mgr, worker, _ = engine_side
     keys = keys_for("b", 3)
