@@ -95,9 +95,10 @@ def facts_from_config(config: object, extra: dict) -> EngineFacts:
 
 def config_digest(vllm_config: object) -> str:
     """16 hex digits naming the engine settings that change the KV of the same weights
-    and tokens but are not in the model's files: online quantization and
-    ``hf_overrides`` (another RoPE base or scaling changes every stored key). "" when
-    neither is set, so engines without them keep their tenant. Only settings that are
+    and tokens but are not in the model's files: online quantization, ``hf_overrides``
+    (another RoPE base or scaling changes every stored key) and the layers an fp8 KV
+    cache leaves unquantized. "" when none is set, so engines without them keep their
+    tenant. Only settings that are
     the same in every process of the engine: the scheduler and the workers must agree."""
     mc = getattr(vllm_config, "model_config", None)
     facts: dict[str, str] = {}
@@ -110,6 +111,10 @@ def config_digest(vllm_config: object) -> str:
     elif overrides:
         facts["hf_overrides"] = json.dumps(overrides, sort_keys=True,
                                            default=lambda o: type(o).__name__)
+    skipped = getattr(getattr(vllm_config, "cache_config", None),
+                      "kv_cache_dtype_skip_layers", None)
+    if skipped:  # which layers keep the model dtype: the same bytes per block either way
+        facts["kv_cache_dtype_skip_layers"] = json.dumps(sorted(map(str, skipped)))
     if not facts:
         return ""
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]

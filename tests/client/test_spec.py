@@ -4,6 +4,7 @@ and, for a layout kvd cannot serve, an engine that serves on without offloading.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -27,6 +28,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 
 from kvd.core.tenants import fingerprint_digest  # noqa: E402
+from kvd_client.vllm.fingerprint import config_digest  # noqa: E402
 from kvd_client.vllm.off import ManagerOff, OffloadOff  # noqa: E402
 from kvd_client.vllm.spec import KvdOffloadingSpec  # noqa: E402
 from kvd_client.vllm.weights import weights_stamp  # noqa: E402
@@ -81,6 +83,21 @@ def test_a_hub_model_in_vllms_download_dir_is_stamped(tmp_path: Path, monkeypatc
     assert weights_stamp("org/tiny") == ""  # not in the default cache
     s = spec("org/tiny", {"kvd_download_dir": str(tmp_path / "dl")})
     assert s.fingerprint.extra == f"vllm-offloading/1;weights={stamp}"
+
+
+def test_fp8_layers_left_unquantized_are_part_of_the_digest() -> None:
+    """The same bytes per block either way: only the digest tells the engines apart.
+    (The rest of the digest runs on real vLLM configs: tests/e2e/test_kvd_identity.py.)"""
+    def cfg(skip):
+        return SimpleNamespace(model_config=SimpleNamespace(quantization=None,
+                                                            hf_overrides=None),
+                               cache_config=SimpleNamespace(kv_cache_dtype_skip_layers=skip))
+
+    assert config_digest(cfg([])) == ""
+    a, b = config_digest(cfg(["layers.0"])), config_digest(cfg(["layers.1"]))
+    assert a and b and a != b
+    assert config_digest(cfg(["layers.1", "layers.0"])) == config_digest(
+        cfg(["layers.0", "layers.1"]))
 
 
 def test_settings_that_change_the_kv_name_another_tenant(tmp_path: Path) -> None:
