@@ -48,7 +48,7 @@ from kvd_client.connection import Connection
 from kvd_client.errors import KvdClientError
 from kvd_client.vllm.failopen import Boundary
 from kvd_client.vllm.fingerprint import EngineFacts, root_hash_matches
-from kvd_client.vllm.options import KvdOptions, KvdSlots
+from kvd_client.vllm.options import KvdOptions, KvdSlots, skip_store
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, unpack_u32
 
@@ -371,15 +371,15 @@ class KvdManager(OffloadingManager):
     def prepare_store(self, keys: Collection[bytes],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        return self.boundary.guard("prepare_store", lambda: _skip(self.conn.instance),
+        return self.boundary.guard("prepare_store", lambda: skip_store(self.conn.instance),
                                    lambda: self._prepare_store(keys, req_context))
 
     def _prepare_store(self, keys: list[bytes], ctx: ReqContext) -> PrepareStoreOutput:
         if self.disabled or not keys:
-            return _skip("")
+            return skip_store("")
         if not self.conn.up:
             self.boundary.count("store.unavailable")
-            return _skip("")
+            return skip_store("")
         # No round trip here: the slots stay with the daemon under the ticket, and the
         # workers name it one step later, when vLLM submits the store.
         ticket = next(self._tickets)
@@ -496,9 +496,3 @@ class KvdManager(OffloadingManager):
             if isinstance(reply, m.LookupOk) and reply.lease and self.conn.up:
                 self.conn.submit(m.Release(self.conn.next_req(), reply.lease))
         self._abandoned = keep
-
-
-def _skip(instance: str) -> PrepareStoreOutput:
-    """Store nothing, quietly: vLLM moves on (None would retry the same keys every step)."""
-    return PrepareStoreOutput(keys_to_store=[], store_spec=KvdSlots(np.zeros(0), instance),
-                              evicted_keys=[])

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvd_client.vllm.failopen import Boundary
+from kvd_client.vllm.options import skip_store
 
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 
@@ -46,7 +47,7 @@ class ManagerOff(OffloadingManager):
     def prepare_store(self, keys: Collection[Any],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
         self.boundary.count("store.skipped.offload_off")
-        return None
+        return skip_store("")
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()

@@ -1,4 +1,5 @@
-"""What the user sets (``KvdOptions``) and what a job carries (``KvdSlots``).
+"""What the user sets (``KvdOptions``) and what a job carries (``KvdSlots``, or
+``skip_store``: nothing to store).
 
 Kept apart from the spec so that the manager and the worker, which the spec builds,
 import them without importing the spec back.
@@ -10,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 import numpy as np
-from vllm.v1.kv_offload.base import LoadStoreSpec
+from vllm.v1.kv_offload.base import LoadStoreSpec, PrepareStoreOutput
 
 
 def default_socket() -> str:
@@ -90,3 +91,10 @@ class KvdSlots(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"KvdSlots({self.slots.tolist()}, {self.instance[:8]}, ticket={self.ticket})"
+
+
+def skip_store(instance: str) -> PrepareStoreOutput:
+    """Store nothing, quietly: vLLM moves on (None would retry the same keys every step,
+    counted and logged as an allocation failure)."""
+    return PrepareStoreOutput(keys_to_store=[], store_spec=KvdSlots(np.zeros(0), instance),
+                              evicted_keys=[])

@@ -87,11 +87,12 @@ class Evictor:
         else:
             chosen, cut = self._victims(tenant.slot_bytes, need, SCAN + 4 * need)
         n = self._evict_keys(chosen, tenant, out)
-        if allocator.free_slots(tenant.slot_bytes) < n_new:  # still short
-            emptied = self._empty_extents(tenant, n_new, out)
-            n += emptied
-            if cut and not emptied:  # no extent can empty: look further down the order
-                more, _ = self._victims(tenant.slot_bytes, need - len(chosen), None)
+        want = tenant.slot_bytes
+        if allocator.free_slots(want) < n_new:  # still short
+            n += self._empty_extents(tenant, n_new, out)
+            short = n_new - allocator.free_slots(want)
+            if cut and short > 0:  # too few extents can empty: look further down the order
+                more, _ = self._victims(want, short, None)
                 n += self._evict_keys(more, tenant, out)
         return n
 

@@ -118,7 +118,10 @@ def test_a_layout_kvd_refuses_leaves_the_engine_serving(tmp_path: Path, layout) 
     ctx = ReqContext("r")
     mgr.on_new_request(ctx)
     assert mgr.lookup(b"k" * 36, ctx) == LookupResult.MISS
-    assert mgr.prepare_store([b"k" * 36], ctx) is None
+    # Nothing to store, said quietly: None is an allocation failure to vLLM, counted,
+    # logged and retried with the same keys every step.
+    out = mgr.prepare_store([b"k" * 36], ctx)
+    assert out is not None and list(out.keys_to_store) == []
     storage = torch.zeros((2, 4, PAGE), dtype=torch.int8)
     caches = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(storage[i], PAGE)
                                         for i in range(2)], group_data_refs=[])

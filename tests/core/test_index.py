@@ -334,3 +334,16 @@ def test_past_the_scan_limit_with_no_extent_to_empty_its_own_go(monkeypatch):
     r = ix.allocate(big, [k(200)])
     assert (r.allocated, r.evicted_total, r.evicted) == (1, 1, [k(100)])
     assert all(ix.contains(small, k(i)) == READY for i in range(32))
+
+
+def test_past_the_scan_limit_with_too_few_extents_to_empty_its_own_make_up_the_rest(
+        monkeypatch):
+    """One small extent empties, the other holds a lease: the rest comes from the
+    caller's own blocks further down the order (it came back short, with evictable
+    blocks of its size left)."""
+    ix, small, big = _two_sizes(monkeypatch, scan=0)
+    ix.lookup(small, [k(0)], lease_s=60.0)
+    r = ix.allocate(big, [k(200 + i) for i in range(8)])
+    assert (r.allocated, r.evicted_total) == (8, 16 + 4)
+    assert sum(ix.contains(big, k(100 + i)) == READY for i in range(8)) == 4
+    assert sum(ix.contains(small, k(i)) == READY for i in range(32)) == 16
