@@ -136,6 +136,7 @@ class IOLoop:
                     log.exception("kvd client I/O step failed; reconnecting")
                 with c._lock:
                     self.lost(why)
+                time.sleep(0.05)  # one that recurs must not spin on the engine's CPU
 
     def step(self, poller: zmq.Poller) -> None:
         """One wait for news, and the work it brings."""
@@ -161,11 +162,12 @@ class IOLoop:
                 except BlockingIOError:
                     pass
             self.flush_outbox(budget=FLUSH_BUDGET)
-            self.drain(budget=FLUSH_BUDGET)
+            more = self.drain(budget=FLUSH_BUDGET)
             # After the socket: the daemon's last Dones may have come with its exit.
             if self.daemon_fd >= 0 and self.daemon_fd in events:
                 self.daemon_exited()
-            self.timers(time.monotonic())
+            # Nothing expires while replies wait unread: its own may be among them.
+            self.timers(time.monotonic(), expire=not more)
 
     def watch(self, fd: int) -> None:
         """Poll ``fd`` (the socket's FD; -1: none) from now on."""
@@ -215,17 +217,18 @@ class IOLoop:
             entry[0].set_result(reply)
         return True  # (or a late answer to a call that timed out: dropped, as receive does)
 
-    def drain(self, budget: int | None = None) -> None:
+    def drain(self, budget: int | None = None) -> bool:
         """Handle what came (``budget``: at most that many messages from the socket
-        now; the loop comes back at once for the rest, after the timers)."""
+        now; the loop comes back at once for the rest). True: some may be left."""
         inbox, self.inbox = self.inbox, []
         for data in inbox:
             self.receive(data)
         for _ in itertools.repeat(None) if budget is None else range(budget):
             if not self.readable():
-                return
+                return False
             assert self.sock is not None
             self.receive(self.sock.recv(_NOBLOCK))
+        return True
 
     def poll_ms(self, now: float) -> int:
         ms = self.phase_poll_ms(now)
@@ -313,7 +316,12 @@ class IOLoop:
             if self.phase != "up" or (not transfers and isinstance(msg, m.Transfer)):
                 self.fail_one(msg, fut, Unavailable("kvd connection lost"))
                 continue
-            if not self.raw_send(msg):  # up, but 1,000 messages wait for the daemon
+            try:
+                sent = self.raw_send(msg)
+            except Exception as e:  # noqa: BLE001 - one message that cannot be encoded
+                self.fail_one(msg, fut, Unavailable(f"cannot send {type(msg).__name__}: {e!r}"))
+                continue
+            if not sent:  # up, but 1,000 messages wait for the daemon
                 self.fail_one(msg, fut, Unavailable("kvd is not keeping up: the socket's "
                                                     "queue to it is full"))
                 continue
@@ -509,9 +517,10 @@ class IOLoop:
         if self.phase != "down":
             self.lost("kvd exited")
 
-    def timers(self, now: float) -> None:
+    def timers(self, now: float, expire: bool = True) -> None:
+        """Retries, pings, and (with ``expire``) calls and Transfers past their time."""
         c = self.c
-        if self.transfers:
+        if self.transfers and expire:
             self.end_transfers(m.Code.EXPIRED, "no Done from kvd by the transfer's deadline "
                                "plus grace; kvd copies nothing for it any more", now)
         if self.phase in ("hello", "register"):
@@ -522,7 +531,7 @@ class IOLoop:
             return
         if self.phase != "up":
             return
-        expired = [r for r, (_, dl, _) in self.pending.items() if dl <= now]
+        expired = [r for r, (_, dl, _) in self.pending.items() if dl <= now] if expire else []
         for r in expired:
             fut, _, what = self.pending.pop(r)
             if fut is not None and not fut.done():

@@ -44,6 +44,7 @@ R = TypeVar("R", HostRegion, CudaRegion)
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vllm/v1/core/kv_cache_utils.py
 CRYPTO_ALGOS = frozenset({"sha256", "sha256_cbor"})
+UNNAMED = "unnamed"  # config_digest: settings that change the KV but cannot be named
 
 
 class LayoutError(ValueError):
@@ -98,19 +99,23 @@ def config_digest(vllm_config: object) -> str:
     and tokens but are not in the model's files: online quantization, ``hf_overrides``
     (another RoPE base or scaling changes every stored key) and the layers an fp8 KV
     cache leaves unquantized. "" when none is set, so engines without them keep their
-    tenant. Only settings that are
-    the same in every process of the engine: the scheduler and the workers must agree."""
+    tenant; ``UNNAMED`` when they cannot be named (overrides given as a function, or with
+    values that are not plain JSON): the engine's blocks are then its own. Only settings
+    that are the same in every process of the engine: the scheduler and the workers must
+    agree."""
     mc = getattr(vllm_config, "model_config", None)
     facts: dict[str, str] = {}
     quant = getattr(mc, "quantization", None)
     if quant:
         facts["quantization"] = str(quant)
     overrides = getattr(mc, "hf_overrides", None)
-    if callable(overrides):
-        facts["hf_overrides"] = f"{overrides.__module__}.{overrides.__qualname__}"
-    elif overrides:
-        facts["hf_overrides"] = json.dumps(overrides, sort_keys=True,
-                                           default=lambda o: type(o).__name__)
+    if callable(overrides):  # its name says nothing of what it does
+        return UNNAMED
+    if overrides:
+        try:
+            facts["hf_overrides"] = json.dumps(overrides, sort_keys=True, allow_nan=True)
+        except (TypeError, ValueError):  # a set, an object, keys of mixed types
+            return UNNAMED
     skipped = getattr(getattr(vllm_config, "cache_config", None),
                       "kv_cache_dtype_skip_layers", None)
     if skipped:  # which layers keep the model dtype: the same bytes per block either way
@@ -191,7 +196,8 @@ def make_fingerprint(facts: EngineFacts, root: bytes, model_version: str = "",
         extra="".join(("vllm-offloading/1",
                        f";weights={model_version}" if model_version else "",
                        f";config={facts.config_digest}" if facts.config_digest else "",
-                       f";engine={facts.engine_id}" if private else "")),
+                       f";engine={facts.engine_id}"
+                       if private or facts.config_digest == UNNAMED else "")),
     )
 
 

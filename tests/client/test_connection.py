@@ -415,3 +415,40 @@ def test_the_outbox_is_bounded_and_what_it_took_ends_once(daemon):
     finally:
         release.set()
         c.close()
+
+
+def test_a_queued_message_that_cannot_be_encoded_ends_alone(tmp_path):
+    """It raised in the I/O thread between the outbox and the socket: the Transfer got
+    no Done at all (the job never ended), and the thread died."""
+    import threading
+
+    path = str(tmp_path / "fake.sock")
+    t, stop = misbehaving_daemon(path, lambda msg: m.encode(m.Done(msg.req, msg.event)))
+    dones: list[m.Done] = []
+    c = Connection(path, timeout=2, on_done=dones.append, transfer_timeout=30)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the lock is busy: send() queues
+        with c._lock:
+            held.set()
+            release.wait(10)
+
+    try:
+        assert c.wait_up(5)
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(5)
+        assert c.send(m.Transfer(c.next_req(), 1, m.Direction.LOAD, pack_u32([0]),
+                                 pack_u32([0]), ticket=2**70))  # no u64
+        assert c.send(m.Transfer(c.next_req(), 2, m.Direction.LOAD, pack_u32([0]),
+                                 pack_u32([0])))
+        release.set()
+        holder.join(5)
+        assert wait_for(lambda: len(dones) == 2, 5)
+        assert {d.event: d.code for d in dones} == {1: m.Code.CLIENT_GONE, 2: m.Code.OK}
+        assert c.up and c._thread.is_alive()
+    finally:
+        release.set()
+        c.close()
+        stop.set()
+        t.join(5)

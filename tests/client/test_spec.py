@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 
 from kvd.core.tenants import fingerprint_digest  # noqa: E402
-from kvd_client.vllm.fingerprint import config_digest  # noqa: E402
+from kvd_client.vllm.fingerprint import UNNAMED, config_digest  # noqa: E402
 from kvd_client.vllm.off import ManagerOff, OffloadOff  # noqa: E402
 from kvd_client.vllm.spec import KvdOffloadingSpec  # noqa: E402
 from kvd_client.vllm.weights import weights_stamp  # noqa: E402
@@ -98,6 +98,22 @@ def test_fp8_layers_left_unquantized_are_part_of_the_digest() -> None:
     assert a and b and a != b
     assert config_digest(cfg(["layers.1", "layers.0"])) == config_digest(
         cfg(["layers.0", "layers.1"]))
+
+
+def test_overrides_that_cannot_be_named_keep_the_blocks_to_the_engine_run(
+        tmp_path: Path) -> None:
+    """A function's name says nothing of what it does (an edited one keeps it); sets
+    and objects have no stable text; keys of mixed types stopped the engine at start."""
+    def cfg(overrides):
+        return SimpleNamespace(model_config=SimpleNamespace(quantization=None,
+                                                            hf_overrides=overrides))
+
+    for overrides in (lambda c: c, {"rope": {1, 2}}, {1: "a", "b": 2}, {"o": object()}):
+        assert config_digest(cfg(overrides)) == UNNAMED
+    assert config_digest(cfg({"rope_theta": 1e6})) not in ("", UNNAMED)
+    path = str(_model(tmp_path / "m"))
+    a, b = (spec(path, {"kvd_config_digest": UNNAMED}, engine=e) for e in ("e0", "e1"))
+    assert a.fingerprint.extra.endswith(";engine=e0") and tenant(a) != tenant(b)
 
 
 def test_settings_that_change_the_kv_name_another_tenant(tmp_path: Path) -> None:
