@@ -115,6 +115,21 @@ def test_standard_offloading_connector_path(tiny_model, expected, daemon, run_en
     assert cold["token_ids"] == loaded["token_ids"] == expected["token_ids"]
 
 
+def test_a_layout_kvd_refuses_leaves_the_engine_serving(tiny_model, expected, daemon,
+                                                       run_engine):
+    """Two engine blocks per offloaded key (never stored; pipeline or prefill context
+    parallel and hybrid models are refused the same way): kvd turns itself off for the
+    engine, which serves as without it, instead of failing to start."""
+    ktc = kvd_transfer_config(daemon.socket, block_size=2 * BLOCK_TOKENS)
+    run = run_engine({"model": str(tiny_model), "kv_transfer_config": ktc,
+                      "steps": [GEN, {"op": "reset_prefix_cache"}, GEN]})
+    for gen in run.generations:
+        assert gen["token_ids"] == expected["token_ids"]
+        assert gen["num_cached_tokens"] == 0
+    assert "kvd is off for this engine" in run.log_tail(400)
+    assert daemon.status()["tenants"] == []
+
+
 def test_a_hit_computes_in_the_step_that_loads_it(tiny_model, expected, daemon, run_engine):
     """vLLM on CPU: kvd loads a hit before the forward pass of the step that computes the
     request (vLLM's async loads make it wait for steps). Control: with ``sync_loads`` off
