@@ -3,13 +3,16 @@ hangs and comes back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -343,6 +346,27 @@ def test_a_burst_beyond_the_sockets_queue_fails_at_once_and_says_why(daemon):
         c.close()
 
 
+@contextlib.contextmanager
+def io_thread_held(c: Connection) -> Iterator[None]:
+    """Another thread holds the connection's lock: the I/O thread cannot flush meanwhile,
+    nor a caller send on its own thread, so what is sent queues."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with c._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        yield
+    finally:
+        release.set()
+        holder.join(5)
+
+
 def test_a_hello_naming_no_process_is_refused_and_the_thread_lives_on(tmp_path):
     """A HelloOk naming pid 2**31 killed the I/O thread (pidfd_open overflowed): the
     engine ran without kvd for good, even once a sound daemon answered. (And pid -1
@@ -381,8 +405,6 @@ def test_the_outbox_is_bounded_and_what_it_took_ends_once(daemon):
     """Callers sending faster than the I/O thread can send piled messages up without
     bound (and the thread, flushing them, handled nothing else): past MAX_QUEUED a send
     is refused at once; what was queued goes out and ends exactly once."""
-    import threading
-
     from kvd_client.io_loop import MAX_QUEUED
 
     dones: list[m.Done] = []
@@ -390,65 +412,39 @@ def test_the_outbox_is_bounded_and_what_it_took_ends_once(daemon):
     spec = Spec(daemon.socket, pages=(4096,))
     c = Connection(daemon.socket, timeout=5, on_done=dones.append, transfer_timeout=30,
                    register=m.Register(0, fingerprint(spec), 0, host_regions(mem)))
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:  # the I/O thread cannot flush meanwhile (nor a caller send)
-        with c._lock:
-            held.set()
-            release.wait(30)
-
     try:
         assert c.wait_up(5)
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert held.wait(5)
-        before = c.stats.unavailable
-        sent = [c.send(m.Transfer(c.next_req(), e, m.Direction.LOAD, pack_u32([0]),
-                                  pack_u32([0]))) for e in range(MAX_QUEUED + 50)]
-        assert sent.count(True) == MAX_QUEUED and not any(sent[MAX_QUEUED:])
-        assert c.stats.unavailable - before == 50
-        release.set()
-        holder.join(5)
+        with io_thread_held(c):
+            before = c.stats.unavailable
+            sent = [c.send(m.Transfer(c.next_req(), e, m.Direction.LOAD, pack_u32([0]),
+                                      pack_u32([0]))) for e in range(MAX_QUEUED + 50)]
+            assert sent.count(True) == MAX_QUEUED and not any(sent[MAX_QUEUED:])
+            assert c.stats.unavailable - before == 50
         assert wait_for(lambda: len(dones) == MAX_QUEUED, 30)
         time.sleep(0.2)
         assert sorted(d.event for d in dones) == list(range(MAX_QUEUED))
     finally:
-        release.set()
         c.close()
 
 
 def test_a_queued_message_that_cannot_be_encoded_ends_alone(tmp_path):
     """It raised in the I/O thread between the outbox and the socket: the Transfer got
     no Done at all (the job never ended), and the thread died."""
-    import threading
-
     path = str(tmp_path / "fake.sock")
     t, stop = misbehaving_daemon(path, lambda msg: m.encode(m.Done(msg.req, msg.event)))
     dones: list[m.Done] = []
     c = Connection(path, timeout=2, on_done=dones.append, transfer_timeout=30)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:  # the lock is busy: send() queues
-        with c._lock:
-            held.set()
-            release.wait(10)
-
     try:
         assert c.wait_up(5)
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert held.wait(5)
-        assert c.send(m.Transfer(c.next_req(), 1, m.Direction.LOAD, pack_u32([0]),
-                                 pack_u32([0]), ticket=2**70))  # no u64
-        assert c.send(m.Transfer(c.next_req(), 2, m.Direction.LOAD, pack_u32([0]),
-                                 pack_u32([0])))
-        release.set()
-        holder.join(5)
+        with io_thread_held(c):
+            assert c.send(m.Transfer(c.next_req(), 1, m.Direction.LOAD, pack_u32([0]),
+                                     pack_u32([0]), ticket=2**70))  # no u64
+            assert c.send(m.Transfer(c.next_req(), 2, m.Direction.LOAD, pack_u32([0]),
+                                     pack_u32([0])))
         assert wait_for(lambda: len(dones) == 2, 5)
         assert {d.event: d.code for d in dones} == {1: m.Code.CLIENT_GONE, 2: m.Code.OK}
         assert c.up and c._thread.is_alive()
     finally:
-        release.set()
         c.close()
         stop.set()
         t.join(5)
