@@ -80,6 +80,11 @@ class Connection(Shared):
         self._up = threading.Event()
         self._handshaking = False  # a daemon took the Hello; the answer is on its way
         self._closed = False
+        # Taken to queue a message, and by close() to end what is queued and close the
+        # eventfd: a message queued after that would get no Done, and a wake-up written
+        # to a closed fd number could land in a file the engine opened since.
+        self._closing = threading.Lock()
+        self._drained = False
         self._ctx = zmq.Context()
         self._lock = threading.RLock()
         self._io = IOLoop(self)
@@ -130,6 +135,7 @@ class Connection(Shared):
         if not self._direct(msg, fut, "", _wait):
             if not self._queue((msg, fut, "")):
                 fut.set_exception(Unavailable(
+                    "kvd connection closed" if self._drained else
                     f"the kvd client is not keeping up: {MAX_QUEUED} messages queued"))
         return fut
 
@@ -168,17 +174,20 @@ class Connection(Shared):
         self._thread.join(timeout=5)
         # A send() that raced with close() may have queued after the I/O thread's last
         # look: its Transfer (or call) still ends exactly once, here.
-        while True:
-            try:
-                msg, fut, _ = self._outbox.get_nowait()
-            except queue.Empty:
-                break
-            if fut is not None:
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(Unavailable("kvd connection closed"))
-            elif isinstance(msg, m.Transfer) and self.on_done is not None:
-                self.on_done(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE, "connection closed"))
-        os.close(self._wake)
+        with self._closing:
+            self._drained = True
+            while True:
+                try:
+                    msg, fut, _ = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if fut is not None:
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(Unavailable("kvd connection closed"))
+                elif isinstance(msg, m.Transfer) and self.on_done is not None:
+                    self.on_done(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE,
+                                        "connection closed"))
+            os.close(self._wake)
         self._ctx.term()
 
     def __enter__(self) -> Connection:
@@ -221,13 +230,15 @@ class Connection(Shared):
 
     def _queue(self, item: tuple[m.Request, Future | None, str]) -> bool:
         """Hand a message to the I/O thread; False (nothing queued, counted as
-        unavailable) when ``MAX_QUEUED`` wait already: callers sending faster than the
-        thread can send fail at once instead of piling up without bound."""
-        if self._outbox.qsize() >= MAX_QUEUED:
-            self.stats.unavailable += 1
-            return False
-        self._outbox.put(item)
-        self._wakeup()
+        unavailable) once closed, or when ``MAX_QUEUED`` wait already: callers sending
+        faster than the thread can send fail at once instead of piling up without
+        bound."""
+        with self._closing:
+            if self._drained or self._outbox.qsize() >= MAX_QUEUED:
+                self.stats.unavailable += 1
+                return False
+            self._outbox.put(item)
+            self._wakeup()
         return True
 
     def _forked(self) -> None:
@@ -238,6 +249,7 @@ class Connection(Shared):
         self._closed = True
         self._up = threading.Event()
         self._lock = threading.RLock()
+        self._closing = threading.Lock()
         self._outbox = queue.SimpleQueue()
 
     def _wakeup(self) -> None:

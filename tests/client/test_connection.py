@@ -448,3 +448,28 @@ def test_a_queued_message_that_cannot_be_encoded_ends_alone(tmp_path):
         c.close()
         stop.set()
         t.join(5)
+
+
+def test_a_send_that_races_close_is_refused_not_lost(daemon):
+    """close() ran between a send's check and its queueing (another thread): the
+    Transfer was queued after close() had ended the queue, got no Done ever, and its
+    wake-up went to the closed eventfd's number, which the engine may have reopened."""
+    dones: list[m.Done] = []
+    c = Connection(daemon.socket, timeout=2, on_done=dones.append, transfer_timeout=30)
+    assert c.wait_up(5)
+    direct = c._direct
+
+    def close_meanwhile(*args, **kw) -> bool:  # the interleaving, made certain
+        c.close()
+        return False
+
+    c._direct = close_meanwhile
+    try:
+        assert not c.send(m.Transfer(c.next_req(), 1, m.Direction.LOAD, pack_u32([0]),
+                                     pack_u32([0])))
+        with pytest.raises(Unavailable, match="closed"):
+            c.submit(m.Ping(c.next_req())).result(1)
+        assert dones == []  # refused: the caller ends it, nothing else will
+    finally:
+        c._direct = direct
+        c.close()
