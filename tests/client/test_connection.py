@@ -376,12 +376,12 @@ def test_a_hello_naming_no_process_is_refused_and_the_thread_lives_on(tmp_path):
     t, stop = misbehaving_daemon(path, lambda msg: m.encode(m.Ok(msg.req)), lambda: pid[0])
     c = Connection(path, timeout=2)
     try:
-        time.sleep(0.5)
+        assert wait_for(lambda: "bad HelloOk" in c._io.why_down, 10)
         assert not c.up and c._thread.is_alive()
         with pytest.raises(Unavailable, match="bad HelloOk"):
             c.request(m.Ping(c.next_req()))
         pid[0] = os.getpid() + 1  # a sound answer: connected at the next try
-        assert c.wait_up(8) and c._thread.is_alive()
+        assert c.wait_up(15) and c._thread.is_alive()
         assert isinstance(c.request(m.Ping(c.next_req())), m.Ok)
     finally:
         c.close()
@@ -393,7 +393,8 @@ def test_a_socket_path_too_long_says_why_and_the_thread_lives_on(tmp_path):
     """The I/O thread died on connect's error, and calls said only "not connected"."""
     c = Connection("/tmp/" + "x" * 120 + "/kvd.sock", timeout=1)
     try:
-        assert not c.wait_up(0.3)
+        assert wait_for(lambda: "cannot connect" in c._io.why_down, 10)
+        assert not c.up
         with pytest.raises(Unavailable, match="cannot connect.*File name too long"):
             c.request(m.Ping(c.next_req()))
         assert c._thread.is_alive()
