@@ -432,7 +432,8 @@ def test_a_queued_message_that_cannot_be_encoded_ends_alone(tmp_path):
     """It raised in the I/O thread between the outbox and the socket: the Transfer got
     no Done at all (the job never ended), and the thread died."""
     path = str(tmp_path / "fake.sock")
-    t, stop = misbehaving_daemon(path, lambda msg: m.encode(m.Done(msg.req, msg.event)))
+    t, stop = misbehaving_daemon(path, lambda msg: m.encode(
+        m.Done(msg.req, msg.event) if isinstance(msg, m.Transfer) else m.Ok(msg.req)))
     dones: list[m.Done] = []
     c = Connection(path, timeout=2, on_done=dones.append, transfer_timeout=30)
     try:
