@@ -120,7 +120,7 @@ class Lifecycle:
         self.metrics.serve(cfg.metrics_addr, cfg.metrics_port)
         if self.phase == "starting":
             self.phase = "serving"
-        server.loop.add_signal_handler(signal.SIGHUP, self.reload)
+        start_signals.serve_signal(server.loop, signal.SIGHUP, self.reload)
         self.notifier.ready(self.status_line())
         if start_signals.reload_pending():  # a SIGHUP during start-up: the file may
             log.info("applying the reload signalled during start-up")  # have changed

@@ -27,7 +27,7 @@ from kvd.engines.client_copy import ClientCopyEngine
 from kvd.engines.cuda import CudaEngine, gpu_path
 from kvd.engines.host import HostEngine
 from kvd.lifecycle import Lifecycle, ReloadFn
-from kvd.start_signals import take_start_signals
+from kvd.start_signals import ignore_stop_signals, serve_signal, take_start_signals
 from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
 from kvd.pool import Pool
@@ -364,7 +364,7 @@ class Server:
     async def run(self) -> None:
         # First: from here a stop is the loop's (a graceful one), no longer start-up's.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self.loop.add_signal_handler(sig, self.lifecycle.request_stop)
+            serve_signal(self.loop, sig, self.lifecycle.request_stop)
         self.loop_has_signals = True
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
         replay_fd = self.kv_events.publisher.replay_fd if self.kv_events else None
@@ -382,11 +382,7 @@ class Server:
         await self.lifecycle.drain()
         log.info("kvd stopped")
         self.close()
-        # Stopped cleanly: a later stop signal (systemd's or an operator's second one)
-        # must not turn the exit into death by signal once the loop's handlers are gone.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            self.loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()
 
     def close(self) -> None:
         self.lifecycle.close()
