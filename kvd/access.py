@@ -28,18 +28,25 @@ class Peer:
     pid: int
     uid: int
     gid: int
+    address: str = ""  # ``Peer-Address`` as ZeroMQ gave it: the connection's credentials
 
     @classmethod
     def of(cls, frame: zmq.Frame) -> Peer:
         """Credentials of a frame's sender; -1 when the transport does not say."""
         try:
-            _, uid, gid, pid = frame.get("Peer-Address").rsplit(":", 3)
-            return cls(int(pid), int(uid), int(gid))
+            address = peer_address(frame)
+            _, uid, gid, pid = address.rsplit(":", 3)
+            return cls(int(pid), int(uid), int(gid), address)
         except (zmq.ZMQError, ValueError, AttributeError):
             return UNKNOWN_PEER
 
 
 UNKNOWN_PEER = Peer(0, -1, -1)  # the transport did not say
+
+
+def peer_address(frame: zmq.Frame) -> str:
+    """The sender's credentials, unparsed (a cheap per-message comparison)."""
+    return frame.get("Peer-Address")
 
 
 def _gid(name: str | int) -> int:

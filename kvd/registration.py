@@ -19,6 +19,7 @@ from kvd_proto import messages as m
 # Sizes no engine comes near: a message that does would cost the loop seconds and the
 # daemon memory it keeps (a tenant is kept for the run).
 MAX_TENSORS = 4096  # rank_page_bytes entries of one fingerprint
+MAX_BLOCK_TOKENS = 1 << 20  # tokens per block (vLLM's are 16 to a few thousand)
 MAX_NAME = 1024  # bytes of a fingerprint's names, or a client's name
 
 
@@ -31,6 +32,8 @@ def check_register(client: Client, msg: m.Register) -> None:
         raise RequestError(f"tp_size {fp.tp_size} not in 1..64")
     if not 0 <= fp.pp_rank < 1024 or not -1 <= msg.rank < fp.tp_size:
         raise RequestError(f"rank {msg.rank} not in -1..{fp.tp_size - 1}")
+    if not 1 <= fp.block_tokens <= MAX_BLOCK_TOKENS:
+        raise RequestError(f"block_tokens {fp.block_tokens} not in 1..{MAX_BLOCK_TOKENS}")
     pages = fp.rank_page_bytes
     if not 0 < len(pages) <= MAX_TENSORS or min(pages) <= 0:
         raise RequestError(f"a fingerprint needs 1..{MAX_TENSORS} page sizes above 0")

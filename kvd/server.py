@@ -20,7 +20,7 @@ import time
 import msgspec
 import zmq
 
-from kvd.access import UNKNOWN_PEER, Access, Peer
+from kvd.access import UNKNOWN_PEER, Access, Peer, peer_address
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
 from kvd.engines.client_copy import ClientCopyEngine
@@ -309,9 +309,15 @@ class Server:
             return service.error(m.peek_req(data), m.Code.BAD_REQUEST,
                                  f"malformed message: {e}")
         try:
+            client = service.clients.get(identity)
+            if client is not None and client.address \
+                    and peer_address(frames[1]) != client.address:
+                # Another connection with a closed one's routing id (its client not yet
+                # timed out): it is not that client, and never gets its memory or leases.
+                return service.error(getattr(msg, "req", 0), m.Code.NOT_REGISTERED,
+                                     "this connection is not the one that said Hello")
             if isinstance(msg, m.Transfer):  # the data path: straight to its owner
                 return service.transfers.handle(identity, msg)
-            # Credentials matter at Hello only: a client is its connection afterwards.
             peer = Peer.of(frames[1]) if isinstance(msg, m.Hello) else UNKNOWN_PEER
             return service.handle(identity, peer, msg)
         except Exception as e:  # noqa: BLE001 - no input may crash the daemon

@@ -186,6 +186,8 @@ class Service:
                 return self._release(client, msg)
             if isinstance(msg, m.Abort):
                 slots = own_slots(self.index, tenant, msg.slots, PENDING)
+                if not self.index.allocated_by(slots, client.id):
+                    raise BadIds("a slot of this Abort was allocated by another connection")
                 return m.Ok(msg.req, self.index.abort(slots))
             raise RequestError(f"unexpected message {type(msg).__name__}")
         except KvdError as e:
@@ -256,12 +258,12 @@ class Service:
                 f"daemon speaks {m.PROTOCOL_VERSION}; upgrade the older side",
                 m.Code.VERSION_MISMATCH,
             )
-        old = self.clients.get(identity)
-        if old is not None:
-            self.client_gone(identity)
+        if identity in self.clients:  # its Transfers' Dones would be lost with it
+            raise RequestError("this connection said Hello already; a new session needs "
+                               "a new connection")
         client = Client(self._next_client, identity, peer.pid or msg.pid, msg.name[:MAX_NAME],
                         msg.pid,
-                        peer_pid=peer.pid, uid=peer.uid, gid=peer.gid,
+                        peer_pid=peer.pid, address=peer.address, uid=peer.uid, gid=peer.gid,
                         admin=self.access.admin(peer),
                         last_seen=self.clock())
         self._next_client += 1

@@ -45,6 +45,7 @@ class Client:
     name: str = ""
     hello_pid: int = 0  # the pid the client says it has (differs across PID namespaces)
     peer_pid: int = 0  # the pid the kernel reports for the socket's peer (0: it did not)
+    address: str = ""  # the connection's credentials at Hello (``access.peer_address``)
     tenant: Tenant | None = None
     rank: int = -1
     engine: TransferEngine | None = None
@@ -343,7 +344,7 @@ class Transfers:
         client = self.owners.pop(job)
         client.inflight -= 1
         try:
-            self._settle(client, job, error)
+            error = self._settle(client, job, error)
         except Exception as e:  # noqa: BLE001 - the client must still get its one Done
             log.exception("completing transfer %d failed", job.event)
             error = KvdError(f"internal error: {e}")
@@ -356,13 +357,23 @@ class Transfers:
         if client.gone and client.inflight == 0 and client.engine is not None:
             client.engine.detach(client.id)
 
-    def _settle(self, client: Client, job: CopyJob, error: Exception | None) -> None:
+    def _settle(self, client: Client, job: CopyJob,
+                error: Exception | None) -> Exception | None:
+        """Publish or give up what the job copied; the error its Done reports."""
         self.index.unpin(job.slots)
         if job.direction == m.Direction.STORE and job.slots.size:
             self.writing[job.slots] &= ~np.uint64(1 << client.rank)
         if error is None and job.direction == m.Direction.STORE:
+            # Slots given up while their bytes were copied (the allocation expired, was
+            # aborted, or its owner left) store nothing: the Done must not say OK.
+            lost = int(np.count_nonzero(self.index.state[job.slots] != PENDING))
             self.index.store_done(job.slots, client.rank, job.checksums)
             self.counters.stored_bytes += job.nbytes
+            if lost:
+                self.counters.failed_transfers += 1
+                error = KvdError(f"{lost} of {len(job.slots)} blocks were given up while "
+                                 "they were copied (their allocation expired or was "
+                                 "aborted): not stored", m.Code.ABORTED)
         elif error is None:
             self.counters.loaded_blocks += len(job.slots)
             self.counters.loaded_bytes += job.nbytes
@@ -375,6 +386,7 @@ class Transfers:
                 self.index.discard([int(job.slots[i]) for i in job.corrupt])
             log.warning("transfer %d of client %d failed: %s", job.event, job.client, error)
         self.committed()  # a commit is journaled before its Done leaves
+        return error
 
     def event_waited(self, job: CopyJob) -> None:
         """On the loop: the transfer's wait on its CUDA event passed; the worker may

@@ -35,9 +35,8 @@ class Fuzzer:
     def __init__(self, socket: str, seed: int, foreign_slots: list[int]) -> None:
         self.rng = random.Random(seed)
         self.ctx = zmq.Context()
+        self.endpoint = f"ipc://{socket}"
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"ipc://{socket}")
         self.mem = np.zeros((64, 4096), dtype=np.uint8)
         self.foreign = foreign_slots
         self.req = 1
@@ -59,6 +58,11 @@ class Fuzzer:
             return None
 
     def register(self) -> None:
+        """A new session on a new connection (a second Hello on one is refused)."""
+        self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.endpoint)
         r1 = self.ask([m.encode(m.Hello(self.next(), m.PROTOCOL_VERSION, 0, "fuzz"))])
         region = m.HostRegion(self.mem.ctypes.data, 64, 4096, 4096)
         r2 = self.ask([m.encode(m.Register(self.next(), FP_B, 0, [region]))])

@@ -412,6 +412,11 @@ class Index:
                                for p, key, slot, d, parent in zip(owners, keys, slots, depths,
                                                                   parents))
 
+    def allocated_by(self, slots: np.ndarray, owner: int) -> bool:
+        """Whether ``owner``'s Allocates made every one of these PENDING slots."""
+        pending = self._pending
+        return all(pending[s].owner == owner for s in slots.tolist() if s in pending)
+
     def abort(self, slots: np.ndarray) -> int:
         """Drop PENDING slots (a failed or abandoned store); freed once unpinned."""
         self.flush()

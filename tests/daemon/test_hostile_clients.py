@@ -87,6 +87,8 @@ def registered(service: Service, ident: bytes, seed: int):
     ({"tp_size": 65}, "tp_size"),
     ({"model": "m" * 5000}, "longer than"),
     ({"rank_page_bytes": [1 << 40]}, "does not fit an extent"),
+    ({"block_tokens": -1}, "block_tokens"),  # (tokens counted per hit: the
+    ({"block_tokens": 2**64 - 1}, "block_tokens"),  # counters went negative or huge)
 ])
 def test_a_refused_fingerprint_leaves_no_tenant(service, change, why):
     peer = hello(service, b"c")
@@ -272,3 +274,59 @@ def test_one_connection_holds_at_most_three_quarters_of_the_pool_pending(service
     other, _mem = registered(service, b"w", seed=5)
     reply = service.handle(b"w", other, m.Allocate(3, [b"x%d" % i for i in range(64)]))
     assert isinstance(reply, m.Allocated) and reply.allocated == 64
+
+
+def test_a_store_whose_slots_were_given_up_during_its_copy_does_not_end_ok(service,
+                                                                          monkeypatch):
+    """One of the store's slots is aborted while its copy runs: that block is not
+    stored, so the Done says ABORTED (before, OK with every byte counted); the block
+    whose allocation stayed is stored."""
+    peer, _mem = registered(service, b"w", seed=9)
+    pushed: list[m.Done] = []
+    monkeypatch.setattr(service.transfers, "send", lambda ident, reply: pushed.append(reply))
+    got = service.handle(b"w", peer, m.Allocate(3, [b"a", b"b"]))
+    assert isinstance(got, m.Allocated) and got.allocated == 2
+    store = m.Transfer(4, 1, m.Direction.STORE, pack_u32([0, 1]), got.slots, gens=got.gens)
+    assert service.handle(b"w", peer, store) is None
+    (job,) = list(service.transfers.owners)
+    assert isinstance(service.handle(b"w", peer, m.Abort(5, got.slots[:4])), m.Ok)
+    service.transfers.complete(job, None, 0.001)  # as the engine reports the copy done
+    (done,) = pushed
+    assert done.code == m.Code.ABORTED and done.nbytes == 0
+    assert "1 of 2 blocks" in done.message
+    assert service.index.pinned_blocks == 0 and service.index.pending_blocks == 0
+    assert service.handle(b"w", peer, m.Lookup(6, [b"a"])).hits == 0
+    assert service.handle(b"w", peer, m.Lookup(7, [b"b"])).hits == 1
+
+
+def test_an_abort_of_another_connections_allocation_is_refused(service):
+    """Two workers of one tenant: one may not give up the other's pending slots (its
+    store would then fail); its own, yes."""
+    peer_v, _mem_v = registered(service, b"v", seed=10)
+    peer_s, _mem_s = registered(service, b"s", seed=10)  # same spec: the same tenant
+    assert service.clients[b"v"].tenant is service.clients[b"s"].tenant
+    got = service.handle(b"v", peer_v, m.Allocate(3, [b"a", b"b"]))
+    assert isinstance(got, m.Allocated) and got.allocated == 2
+    refused = service.handle(b"s", peer_s, m.Abort(4, got.slots))
+    assert isinstance(refused, m.Error) and refused.code == m.Code.BAD_IDS
+    assert "another connection" in refused.message
+    assert service.index.pending_blocks == 2
+    own = service.handle(b"v", peer_v, m.Abort(5, got.slots))
+    assert isinstance(own, m.Ok) and own.count == 2 and service.index.pending_blocks == 0
+
+
+def test_a_second_hello_on_one_connection_is_refused_and_keeps_its_transfers(service,
+                                                                            monkeypatch):
+    """A second Hello used to replace the client, and the Dones of its running and
+    waiting Transfers went nowhere; now it is refused and they end as usual."""
+    peer, _mem = registered(service, b"w", seed=11)
+    pushed: list[m.Done] = []
+    monkeypatch.setattr(service.transfers, "send", lambda ident, reply: pushed.append(reply))
+    waiting = service.handle(b"w", peer, m.Transfer(3, 1, m.Direction.STORE, pack_u32([0]),
+                                                    b"", ticket=77))
+    assert waiting is None and service.transfers.tickets.parked == 1
+    again = service.handle(b"w", peer, m.Hello(4, m.PROTOCOL_VERSION, os.getpid()))
+    assert isinstance(again, m.Error) and again.code == m.Code.BAD_REQUEST
+    assert service.clients[b"w"].tenant is not None  # still registered
+    service.transfers.expire(now=float("inf"))
+    assert [(d.event, d.code) for d in pushed] == [(1, m.Code.BAD_IDS)]
