@@ -206,17 +206,24 @@ class Tiering:
                              [slots[i] for i in pick], [depths[i] for i in pick],
                              [sums[i] for i in pick])
 
-    def _fit(self, worker: _Worker, n: int, slot_bytes: int) -> int:
+    def _fit(self, worker: _Worker, n: int, slot_bytes: int, bound: int) -> int:
         """How many of ``n`` blocks ``worker``'s queue takes now: those that fit under
-        ``tier_queue_bytes``, and one at least when it is empty, so a batch (or a block)
+        ``bound`` bytes, and one at least when it is empty, so a batch (or a block)
         larger than the bound still goes down in part instead of never."""
-        room = max(0, self.config.tier_queue_bytes - worker.queued_bytes) // slot_bytes
+        room = max(0, bound - worker.queued_bytes) // slot_bytes
         return min(n, max(room, 0 if worker.queued_bytes else 1))
+
+    @property
+    def pin_bound(self) -> int:
+        """Bytes write-behind may keep pinned: its slots wait for a slow or stalled
+        cluster, and a queue bound larger than the pool let it pin every slot, so
+        stores got no room until the breaker opened (or for good, while it crawled)."""
+        return min(self.config.tier_queue_bytes, self.pool.nbytes // 4)
 
     def _demote_one(self, tenant: Tenant, keys: list[bytes], slots: list[int],
                     depths: list[int], sums: list[list[int] | None]) -> None:
         worker, tier = self.writers["disk"], self.tiers["disk"]
-        fit = self._fit(worker, len(slots), tenant.slot_bytes)
+        fit = self._fit(worker, len(slots), tenant.slot_bytes, self.config.tier_queue_bytes)
         if fit < len(slots):  # victims come least valuable first: the last ones go down
             self.counters.demote_dropped += len(slots) - fit
             if not fit:
@@ -242,7 +249,7 @@ class Tiering:
     def _write_behind(self, tenant: Tenant, keys: list[bytes], slots: list[int],
                       depth: int) -> None:
         worker = self.writers["remote"]
-        fit = self._fit(worker, len(slots), tenant.slot_bytes)
+        fit = self._fit(worker, len(slots), tenant.slot_bytes, self.pin_bound)
         if fit < len(slots):  # a run's head is what a later prefix match needs
             self.counters.write_behind_dropped += len(slots) - fit
             if not fit:

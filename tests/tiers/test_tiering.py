@@ -4,7 +4,9 @@ real Redis cluster; the event loop is played by the test (worker results are que
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import time
 from collections.abc import Callable
 
@@ -166,3 +168,24 @@ def test_closing_is_bounded_in_all_by_its_timeout_with_a_disk_write_stuck(
         assert not closer.is_alive() and time.monotonic() - t0 < 5
     finally:
         release.set()
+
+
+def test_a_stalled_cluster_pins_at_most_a_quarter_of_the_pool(rig, redis_server):
+    """Write-behind keeps a block pinned until it is written. Bounded only by
+    ``tier_queue_bytes`` (256 MiB by default), a stalled cluster let it pin every slot
+    of a smaller pool, and Allocates found no room; now a quarter of the pool at most."""
+    t, loop = rig(remote=redis_server.url, remote_timeout_ms=30_000)
+    tenant, c, ix = _tenant(), t.counters, t.index
+    pid = redis_server.node.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        for r in range(8):  # 128 blocks, the whole pool
+            _store(t, tenant, [b"r%d-%d" % (r, i) for i in range(16)])
+        assert 0 < ix.pinned_blocks <= 32  # 2 MiB of 8
+        res = ix.allocate(tenant, [b"new%d" % i for i in range(64)], owner=2,
+                          now=time.monotonic())
+        assert res.allocated == 64  # room, by evicting blocks not waiting on the cluster
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    loop.pump(lambda: c.written_behind_blocks + c.write_behind_dropped == 128, timeout=60)
+    assert c.written_behind_blocks > 0 and not ix.pins.any()  # written, then unpinned
