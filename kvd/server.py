@@ -79,6 +79,7 @@ class Server:
         self.engines: dict[str, TransferEngine] = {}
         self._bound: tuple[int, int] | None = None  # (device, inode) of the socket we bound
         self.loop_has_signals = False  # run() took SIGTERM/SIGINT over from start-up
+        self._ticking: asyncio.TimerHandle | None = None
         try:
             self._start(config)
         except BaseException:
@@ -364,7 +365,7 @@ class Server:
             log.exception("housekeeping tick failed")
         finally:
             if not self.stopping.is_set():
-                self.loop.call_later(TICK_S, self._tick)
+                self._ticking = self.loop.call_later(TICK_S, self._tick)
 
     # ------------------------------------------------------------ run
     async def run(self) -> None:
@@ -378,7 +379,7 @@ class Server:
             assert self.kv_events is not None
             self.loop.add_reader(replay_fd, self._service_replay)
             self._service_replay()
-        self.loop.call_later(TICK_S, self._tick)
+        self._ticking = self.loop.call_later(TICK_S, self._tick)
         self._drain()
         log.info("kvd serving on %s: pool %d MiB at %s, policy %s, pid %d",
                  self.config.socket, self.config.pool_bytes >> 20, self.config.pool_path,
@@ -391,6 +392,8 @@ class Server:
         ignore_stop_signals()
 
     def close(self) -> None:
+        if self._ticking is not None:  # a tick due now would find the journal closed
+            self._ticking.cancel()
         self.lifecycle.close()
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
         if self.kv_events is not None:

@@ -81,6 +81,8 @@ class _Worker:
         self.post = post
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.queued_bytes = 0  # loop-side bookkeeping: added on submit, taken on done
+        self.closed = False  # results that come back later are dropped (the loop's
+        # objects they would touch, the journal and the tiers' clients, are closed)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -95,19 +97,21 @@ class _Worker:
             try:
                 result, error = work(), None
             except Exception as e:
-                if not isinstance(e, TierError):
-                    log.exception("tier job failed")
+                if not isinstance(e, TierError) and not self.closed:  # (closed: its
+                    log.exception("tier job failed")  # tier's client went under it)
                 result, error = None, e
             self.post(self._finish, done, result, error, nbytes)
 
     def _finish(self, done: Callable, result: Any, error: Exception | None,
                 nbytes: int) -> None:
         self.queued_bytes -= nbytes
-        done(result, error)
+        if not self.closed:
+            done(result, error)
 
     def close(self, timeout: float) -> None:
         self.jobs.put(None)
         self.thread.join(timeout)
+        self.closed = True
 
 
 @dataclass(eq=False)

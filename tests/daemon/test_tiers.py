@@ -371,3 +371,27 @@ def test_a_tenant_dropped_while_the_cluster_is_asked_gets_no_blocks(daemon_facto
     assert st["blocks"]["ready"] == sum(t["blocks"] for t in st["tenants"]) == 0
     assert (st["blocks"]["pending"], st["blocks"]["pinned"]) == (0, 0)
     second.close()
+
+
+def test_a_stop_while_the_cluster_hangs_ends_clean(daemon_factory, redis_server, tmp_path):
+    """SIGTERM while a write-behind hangs on a stopped server: the stop is bounded, exits
+    0, and nothing runs after "kvd stopped" (before, a housekeeping tick due during the
+    wait ran after the journal closed, on its descriptor, and the hung job's late result
+    logged errors from the tier's closed client)."""
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text("remote_timeout_ms = 30000\n")
+    d = daemon_factory("--config", str(cfg), "--persist", "--remote", redis_server.url)
+    store_round(d, "warm-", seed=1)
+    d.wait_counter("written_behind_blocks", N)
+    pid = redis_server.node.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        store_round(d, "hung-", seed=2)  # its write-behind waits on the server
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        assert d.stop(timeout=40) == 0
+        assert time.monotonic() - t0 < 30  # the tiers' close waits 10 s at most
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    after = d.logs().split("kvd stopped", 1)[1]
+    assert "ERROR" not in after and "closed file" not in after, after
