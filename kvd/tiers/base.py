@@ -94,8 +94,11 @@ class Tier(ABC):
     - ``put(ns, blocks)`` stores what it can and returns how many it kept; it may
       decline blocks (full of pinned work, too large, admission) and never stores a
       block it cannot read back verified.
-    - ``contains(ns, keys)`` is the length of the leading run of ``keys`` the tier
-      holds, as far as it knows (a hint: ``get_into`` may still miss).
+    - ``contains(ns, keys, nbytes)`` is the length of the leading run of ``keys`` the
+      tier holds, as far as it knows (a hint: ``get_into`` may still miss). Where it
+      sees sizes, a block that is not ``nbytes`` long (when given) ends the run: the
+      daemon makes room for a run before reading it, so a promise it cannot keep
+      costs good blocks in RAM.
     - ``get_into(ns, keys, outs)`` reads the leading run of ``keys`` into ``outs`` (one
       writable buffer per key, of the block's exact length) and returns how many
       leading blocks it read *verified* (header and xxh3). A missing, corrupt, foreign
@@ -114,7 +117,7 @@ class Tier(ABC):
     def put(self, ns: bytes, blocks: Sequence[TierBlock]) -> int: ...
 
     @abstractmethod
-    def contains(self, ns: bytes, keys: Sequence[bytes]) -> int: ...
+    def contains(self, ns: bytes, keys: Sequence[bytes], nbytes: int = 0) -> int: ...
 
     @abstractmethod
     def get_into(self, ns: bytes, keys: Sequence[bytes], outs: Sequence[Any]) -> int: ...

@@ -232,7 +232,8 @@ class DiskTier(Tier):
         return freed
 
     # ------------------------------------------------------------ Tier
-    def contains(self, ns: bytes, keys: Sequence[bytes]) -> int:
+    def contains(self, ns: bytes, keys: Sequence[bytes], nbytes: int = 0) -> int:
+        # (sizes unchecked: the tier wrote each entry, of its tenant's one block size)
         with self._lock:
             if self._off():  # a promotion now would fail, and evict for it first
                 return 0

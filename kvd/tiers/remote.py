@@ -139,7 +139,7 @@ class RedisTier(Tier):
             kept += ok
         return kept
 
-    def contains(self, ns: bytes, keys: Sequence[bytes]) -> int:
+    def contains(self, ns: bytes, keys: Sequence[bytes], nbytes: int = 0) -> int:
         run = 0
         for start in range(0, len(keys), self.max_batch):
             chunk = keys[start:start + self.max_batch]
@@ -147,7 +147,8 @@ class RedisTier(Tier):
             # a GET of it fails, so the run would be promised and never come up.
             cmds = [("STRLEN", _name(ns, k)) for k in chunk]
             for key, size in zip(chunk, self._call("contains", cmds)):
-                if not isinstance(size, int) or size <= HEADER_BYTES:
+                if not isinstance(size, int) or size <= HEADER_BYTES or (
+                        nbytes and size != HEADER_BYTES + nbytes):
                     if isinstance(size, TierError):  # its master is down: a miss
                         return run
                     if isinstance(size, Exception) or size:  # not a block: forgotten

@@ -300,7 +300,7 @@ class Tiering:
         found = 0
         disk = self.tiers.get("disk")
         if disk is not None:
-            run = disk.contains(tenant.digest.encode(), rest)
+            run = disk.contains(tenant.digest.encode(), rest, tenant.slot_bytes)
             if run:
                 found = self._promote("disk", tenant, rest[:run], depth + start,
                                       keys[start - 1] if start else None)
@@ -317,7 +317,8 @@ class Tiering:
                        _with_pending(reply, found), send,
                        parent=keys[start + found - 1] if start + found else None)
         ns = tenant.digest.encode()
-        self.readers["remote"].submit(lambda: remote.contains(ns, probe.keys),
+        nbytes = tenant.slot_bytes
+        self.readers["remote"].submit(lambda: remote.contains(ns, probe.keys, nbytes),
                                       lambda run, err: self._probed(probe, run, err))
         if not self.config.remote_lookup_ms:  # never wait: the run comes up for the next one
             probe.answered = True
