@@ -55,6 +55,16 @@ class _Pending:
     depth: int = 0  # the depth of keys[0]
     parent: bytes | None = None  # the key before keys[0] in its chain, when known
     chained: bool = True  # each key is the parent of the next
+    # Instead of ``keys``, when the call's new keys were few among many known ones:
+    # each new block's parent by depth (the call's keys are not kept for them).
+    parents: dict[int, bytes | None] | None = None
+
+    def parent_at(self, depth: int) -> bytes | None:
+        if self.parents is not None:
+            return self.parents.get(depth)
+        if depth == self.depth:
+            return self.parent
+        return self.keys[depth - self.depth - 1] if self.chained else None
 
 
 @dataclass
@@ -69,6 +79,27 @@ class IndexCounters:
     expired_leases: int = 0
     expired_pending: int = 0
     no_space: int = 0
+
+
+def _pending(owner: int, deadline: float, tenant: Tenant, length: int,
+             keys: Sequence[bytes], new: Sequence[int], depth: int,
+             parent: bytes | None, chained: bool) -> _Pending:
+    """The record an ``allocate`` call's new blocks share. It keeps the call's keys
+    from the one before its first new key to its last (what their parents need), or,
+    when those are mostly keys already known, just the new blocks' parents: one new
+    key among thousands of known ones must not keep them all for the pending time."""
+    lo, hi = new[0], new[-1] + 1
+    if chained:
+        before = keys[lo - 1] if lo else parent
+    else:  # only the call's first key has a parent (the one its sender named)
+        before = parent if lo == 0 else None
+    if hi - lo <= 2 * len(new):
+        return _Pending(owner, deadline, tenant, length, keys[lo:hi], depth + lo, before,
+                        chained)
+    parents = ({depth + i: keys[i - 1] if i else parent for i in new} if chained
+               else {depth + lo: before})
+    return _Pending(owner, deadline, tenant, length, (), depth + lo, before, chained,
+                    parents)
 
 
 @dataclass
@@ -311,7 +342,8 @@ class Index:
             self._slot_key.update(zip(got, scoped))
             self._slot_tenant.update(dict.fromkeys(got, tenant))
             self._pending.update(dict.fromkeys(
-                got, _Pending(owner, deadline, tenant, length, keys, depth, parent, chained)))
+                got, _pending(owner, deadline, tenant, length, keys,
+                              range(len(got)) if fresh else new, depth, parent, chained)))
             if fresh:
                 slots = got + slots[len(got):]
             else:
@@ -404,8 +436,7 @@ class Index:
                     self.checksums[slot] = sums
         if self.record:  # the parent: the key before in the same Allocate, else the one
             sums_of = self.checksums.get  # its sender named before its first key
-            parents = [p.parent if d == p.depth else p.keys[d - p.depth - 1] if p.chained
-                       else None for p, d in zip(owners, depths)]
+            parents = list(map(_Pending.parent_at, owners, depths))
             self.parents.update(zip(slots, parents))
             self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []),
                                 parent)

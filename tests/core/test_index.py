@@ -347,3 +347,27 @@ def test_past_the_scan_limit_with_too_few_extents_to_empty_its_own_make_up_the_r
     assert (r.allocated, r.evicted_total) == (8, 16 + 4)
     assert sum(ix.contains(big, k(100 + i)) == READY for i in range(8)) == 4
     assert sum(ix.contains(small, k(i)) == READY for i in range(32)) == 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(stored=st.lists(st.integers(0, 40), max_size=20),
+       keys=st.lists(st.integers(0, 40), min_size=1, max_size=60),
+       chained=st.booleans(), parent=st.sampled_from([None, b"p"]))
+def test_new_blocks_parents_are_kept_and_not_the_calls_known_keys(stored, keys, chained,
+                                                                 parent):
+    """Each new block's parent (for the KV events) is the key before it in the call,
+    or the one its sender named; what the pending record keeps for that is of the size
+    of the new blocks, not of the call (one new key among thousands of known ones kept
+    them all for the pending time)."""
+    ix, t, _ = make_index(blocks=64)
+    ix.record = True
+    store(ix, t, [k(i) for i in set(stored)])
+    names = [k(i) for i in keys]
+    r = ix.allocate(t, names, parent=parent, chained=chained)
+    new = [i for i, s in enumerate(r.slots) if s != NO_SLOT]
+    for p in {id(ix._pending[r.slots[i]]): ix._pending[r.slots[i]] for i in new}.values():
+        assert len(p.keys) <= 2 * len(new)
+    ix.store_done(np.array([r.slots[i] for i in new], dtype=np.int64), 0)
+    for i in new:
+        want = (names[i - 1] if i else parent) if chained else (parent if i == 0 else None)
+        assert ix.parents.get(r.slots[i]) == want, (i, names)
