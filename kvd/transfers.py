@@ -34,6 +34,10 @@ from kvd_proto.ids import unpack_u32
 
 log = logging.getLogger("kvd.transfers")
 TICKET_WAIT_S = 2.0  # how long a Transfer waits for the Allocate whose ticket it names
+# What one connection's Transfers may hold waiting for their Allocates (block ids plus a
+# message's own size): a worker parks a step's stores at most, a few hundred KiB.
+MAX_PARKED_BYTES = 4 << 20
+PARKED_OVERHEAD = 256
 Send = Callable[[bytes, m.Reply], None]
 
 
@@ -46,6 +50,7 @@ class Client:
     hello_pid: int = 0  # the pid the client says it has (differs across PID namespaces)
     peer_pid: int = 0  # the pid the kernel reports for the socket's peer (0: it did not)
     address: str = ""  # the connection's credentials at Hello (``access.peer_address``)
+    parked_bytes: int = 0  # of its Transfers waiting for their Allocate (MAX_PARKED_BYTES)
     tenant: Tenant | None = None
     rank: int = -1
     engine: TransferEngine | None = None
@@ -226,10 +231,15 @@ class Transfers:
             except TicketError as e:
                 raise BadIds(str(e)) from None
             if claimed is None:  # its Allocate is still on the way (another connection)
+                cost = _parked_cost(msg)
+                if client.parked_bytes + cost > MAX_PARKED_BYTES:
+                    raise KvdError("too many of this connection's Transfers wait for their "
+                                   "Allocate already; retry", m.Code.BUSY)
                 until = self.clock() + TICKET_WAIT_S
                 if msg.deadline_ns:
                     until = min(until, msg.deadline_ns / 1e9)
                 self.tickets.park(tenant.id, msg.ticket, (client, msg), until)
+                client.parked_bytes += cost
                 return None
             ticketed, gens = claimed
             if len(blocks) != len(ticketed):
@@ -333,6 +343,7 @@ class Transfers:
                                                  until, gens,
                                                  claim_by=self.clock()
                                                  + self.config.store_claim_ms / 1000):
+            sender.parked_bytes -= _parked_cost(transfer)
             if not sender.gone:
                 reply = self.accept(sender, transfer)
                 if reply is not None:
@@ -408,6 +419,7 @@ class Transfers:
             if n:
                 log.info("%d slots of a store no worker made given back", n)
         for client, msg in self.tickets.expire(now):
+            client.parked_bytes -= _parked_cost(msg)
             if client.gone:
                 continue
             if msg.deadline_ns and now > msg.deadline_ns / 1e9:
@@ -422,6 +434,7 @@ class Transfers:
         """Stopping: Transfers still waiting for their ticket's Allocate end now (a
         stopping daemon answers Allocates BUSY, and its ticks end)."""
         for client, msg in self.tickets.expire(math.inf):
+            client.parked_bytes -= _parked_cost(msg)
             if not client.gone:
                 self._push(client, self.done(client, msg, KvdError(
                     "kvd is stopping; retry once it is back", m.Code.BUSY)))
@@ -432,3 +445,7 @@ class Transfers:
         for job, owner in self.owners.items():
             if owner is client:
                 job.deadline = min(job.deadline, now)
+
+
+def _parked_cost(msg: m.Transfer) -> int:
+    return len(msg.block_ids) + PARKED_OVERHEAD

@@ -330,3 +330,30 @@ def test_a_second_hello_on_one_connection_is_refused_and_keeps_its_transfers(ser
     assert service.clients[b"w"].tenant is not None  # still registered
     service.transfers.expire(now=float("inf"))
     assert [(d.event, d.code) for d in pushed] == [(1, m.Code.BAD_IDS)]
+
+
+def test_transfers_waiting_for_their_allocate_are_bounded_per_connection(service,
+                                                                        monkeypatch):
+    """Stores naming tickets no Allocate made each waited 2 s with their block ids, and
+    nothing bounded how many: 5,000 took the daemon from 123 MiB to 1.6 GiB. Past the
+    bound they end BUSY at once; those waiting end as before, and the room comes back."""
+    import kvd.transfers as transfers
+
+    peer, _mem = registered(service, b"w", seed=12)
+    pushed: list[m.Done] = []
+    monkeypatch.setattr(service.transfers, "send", lambda ident, reply: pushed.append(reply))
+    ids = pack_u32(range(64))
+    monkeypatch.setattr(transfers, "MAX_PARKED_BYTES", 10 * (len(ids) + 256))
+
+    def park(event: int) -> m.Done | None:
+        return service.handle(b"w", peer, m.Transfer(100 + event, event, m.Direction.STORE,
+                                                     ids, b"", ticket=1000 + event))
+
+    assert [park(e) for e in range(10)] == [None] * 10
+    refused = park(10)
+    assert isinstance(refused, m.Done) and refused.code == m.Code.BUSY
+    assert service.transfers.tickets.parked == 10
+    service.transfers.expire(now=float("inf"))
+    assert sorted(d.event for d in pushed) == list(range(10))  # each ended once
+    assert service.clients[b"w"].parked_bytes == 0
+    assert park(11) is None
