@@ -38,6 +38,9 @@ TICKET_WAIT_S = 2.0  # how long a Transfer waits for the Allocate whose ticket i
 # message's own size): a worker parks a step's stores at most, a few hundred KiB.
 MAX_PARKED_BYTES = 4 << 20
 PARKED_OVERHEAD = 256
+# Copy segments (blocks x registered tensors) of one Transfer: its address arrays are
+# built on the loop, about 0.1 s per million (an engine's largest step is well below).
+MAX_SEGMENTS = 1 << 22
 Send = Callable[[bytes, m.Reply], None]
 
 
@@ -262,6 +265,10 @@ class Transfers:
                                m.Code.EXPIRED)
         if len(blocks) != len(slots):
             raise BadIds(f"{len(blocks)} block ids for {len(slots)} slots")
+        if len(blocks) * len(client.bases) > MAX_SEGMENTS:
+            raise RequestError(f"{len(blocks)} blocks of {len(client.bases)} tensors are "
+                               f"over {MAX_SEGMENTS} copy segments for one Transfer; "
+                               "send fewer blocks per Transfer")
         if blocks.size and int(blocks.max()) >= client.num_blocks:
             raise BadIds(f"block id {int(blocks.max())} beyond the registered "
                          f"{client.num_blocks} blocks")

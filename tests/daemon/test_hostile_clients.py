@@ -357,3 +357,22 @@ def test_transfers_waiting_for_their_allocate_are_bounded_per_connection(service
     assert sorted(d.event for d in pushed) == list(range(10))  # each ended once
     assert service.clients[b"w"].parked_bytes == 0
     assert park(11) is None
+
+
+def test_a_transfer_of_too_many_copy_segments_is_refused_before_the_loop_builds_them(
+        service, monkeypatch):
+    """4,096 one-byte tensors times 8,192 blocks made 33.5 M copy segments, built on the
+    event loop: other clients' replies waited 6 s. Now such a Transfer is refused."""
+    import kvd.transfers as transfers
+
+    peer, _mem = registered(service, b"w", seed=13)  # two tensors
+    got = service.handle(b"w", peer, m.Allocate(3, [b"k%d" % i for i in range(8)]))
+    assert isinstance(got, m.Allocated) and got.allocated == 8
+    monkeypatch.setattr(transfers, "MAX_SEGMENTS", 15)
+    done = service.handle(b"w", peer, m.Transfer(4, 1, m.Direction.STORE, pack_u32(range(8)),
+                                                 got.slots, gens=got.gens))
+    assert isinstance(done, m.Done) and done.code == m.Code.BAD_REQUEST
+    assert "copy segments" in done.message and service.index.pinned_blocks == 0
+    monkeypatch.setattr(transfers, "MAX_SEGMENTS", 16)
+    assert service.handle(b"w", peer, m.Transfer(5, 2, m.Direction.STORE, pack_u32(range(8)),
+                                                 got.slots, gens=got.gens)) is None
