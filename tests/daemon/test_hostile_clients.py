@@ -337,7 +337,7 @@ def test_transfers_waiting_for_their_allocate_are_bounded_per_connection(service
     """Stores naming tickets no Allocate made each waited 2 s with their block ids, and
     nothing bounded how many: 5,000 took the daemon from 123 MiB to 1.6 GiB. Past the
     bound they end BUSY at once; those waiting end as before, and the room comes back."""
-    import kvd.transfers as transfers
+    from kvd import transfers
 
     peer, _mem = registered(service, b"w", seed=12)
     pushed: list[m.Done] = []
@@ -363,7 +363,7 @@ def test_a_transfer_of_too_many_copy_segments_is_refused_before_the_loop_builds_
         service, monkeypatch):
     """4,096 one-byte tensors times 8,192 blocks made 33.5 M copy segments, built on the
     event loop: other clients' replies waited 6 s. Now such a Transfer is refused."""
-    import kvd.transfers as transfers
+    from kvd import transfers
 
     peer, _mem = registered(service, b"w", seed=13)  # two tensors
     got = service.handle(b"w", peer, m.Allocate(3, [b"k%d" % i for i in range(8)]))
@@ -376,3 +376,11 @@ def test_a_transfer_of_too_many_copy_segments_is_refused_before_the_loop_builds_
     monkeypatch.setattr(transfers, "MAX_SEGMENTS", 16)
     assert service.handle(b"w", peer, m.Transfer(5, 2, m.Direction.STORE, pack_u32(range(8)),
                                                  got.slots, gens=got.gens)) is None
+
+
+@pytest.mark.parametrize("make", [lambda ids: m.Abort(3, ids), lambda ids: m.Release(3, 1, ids)])
+def test_slot_ids_of_an_abort_or_release_are_capped_as_a_transfers(service, make):
+    peer, _mem = registered(service, b"w", seed=14)
+    reply = service.handle(b"w", peer, make(pack_u32([0] * 65)))  # max_keys_per_request 64
+    assert isinstance(reply, m.Error) and reply.code == m.Code.BAD_IDS
+    assert "65 slot ids" in reply.message
