@@ -149,9 +149,9 @@ class RedisTier(Tier):
             for key, size in zip(chunk, self._call("contains", cmds)):
                 if not isinstance(size, int) or size <= HEADER_BYTES or (
                         nbytes and size != HEADER_BYTES + nbytes):
-                    if isinstance(size, TierError):  # its master is down: a miss
-                        return run
-                    if isinstance(size, Exception) or size:  # not a block: forgotten
+                    if isinstance(size, Exception) and not _wrong_type(size):
+                        return run  # its master is down, or a retry failed: a miss
+                    if size:  # not a block: forgotten
                         self._forget(ns, key)
                     return run
                 run += 1
@@ -173,7 +173,7 @@ class RedisTier(Tier):
             got = 0
             for key, value, out in zip(chunk, values, outs[start:start + len(chunk)]):
                 if not isinstance(value, bytes):  # missing, a per-key error, master down
-                    if isinstance(value, ResponseError):  # WRONGTYPE: not a block
+                    if _wrong_type(value):  # not a block (another error: a miss)
                         self._forget(ns, key)
                     break
                 if not _copy_verified(ns, key, value, out):
@@ -403,6 +403,12 @@ def _name(ns: bytes, key: bytes) -> bytes:
 def _value(ns: bytes, block: TierBlock) -> bytes:
     head = BlockHeader.of(ns, block.key, block.data, block.depth).pack()
     return b"".join((head, memoryview(block.data).cast("B")))
+
+
+def _wrong_type(reply: object) -> bool:
+    """A value of another type than a string under a block's name: no block, ever (a
+    redirect that failed or TRYAGAIN says nothing about the value)."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 def _copy_verified(ns: bytes, key: bytes, value: bytes, out: Any) -> bool:

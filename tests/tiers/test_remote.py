@@ -752,3 +752,20 @@ def test_round_trips_share_one_deadline_thread(redis_server, monkeypatch):
             assert t.get_into(ns, [b.key for b in blocks], _outs(4)) == 4
         assert started == []
         assert [th.name for th in threading.enumerate()].count("kvd-remote-deadlines") == 1
+
+
+def test_a_per_key_error_that_is_not_wrongtype_is_a_miss_not_a_forgetting(redis_server):
+    """Only a value of another type is no block. Any other error of one key (a failed
+    redirect, TRYAGAIN; here an ACL that denies the reads) says nothing about the
+    value: before, the probe and the read deleted it."""
+    ns, blocks = _ns(), _blocks(2)
+    keys = [b.key for b in blocks]
+    r = redis.Redis(port=redis_server.port)
+    with closing(r), closing(RedisTier(redis_server.url)) as t:
+        assert t.put(ns, blocks) == 2
+        r.execute_command("ACL", "SETUSER", "default", "-strlen", "-get")  # (this server's)
+        assert t.contains(ns, keys) == 0
+        assert t.get_into(ns, keys, _outs(2)) == 0
+        assert r.exists(*[_key(ns, k) for k in keys]) == 2  # both still there
+        r.execute_command("ACL", "SETUSER", "default", "+@all")
+        assert t.contains(ns, keys, SIZE) == 2
