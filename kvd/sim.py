@@ -95,14 +95,28 @@ def make_trace(hash_ids: Sequence[Sequence[int]],
 def _open(path: str) -> IO[str]:
     """The trace as text: a file (gzip-compressed or not, a UTF-8 BOM allowed) or, for
     ``-``, standard input."""
-    if path == "-":
-        raw: IO[bytes] = sys.stdin.buffer
+    raw: IO[bytes]
+    if path == "-":  # whole: a pipe's first read may be one byte, too few to tell gzip by
+        data = sys.stdin.buffer.read()
+        raw, head = io.BytesIO(data), data[:2]
     else:
-        raw = open(path, "rb")  # noqa: SIM115 - closed by the caller's ``with``
-    head = raw.peek(2)[:2] if isinstance(raw, io.BufferedReader) else b""
+        file = open(path, "rb")  # noqa: SIM115 - closed by the caller's ``with``
+        raw, head = file, file.peek(2)[:2]
     if head == b"\x1f\x8b":
         raw = gzip.GzipFile(fileobj=raw)  # type: ignore[assignment]
     return io.TextIOWrapper(raw, encoding="utf-8-sig")
+
+
+def _stamp(t: object) -> float:
+    """A line's timestamp; NaN when it is none that requests can be ordered by (not a
+    number, or not a finite one: 1e309 and Infinity included)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return math.nan
+    try:
+        stamp = float(t)
+    except OverflowError:
+        return math.nan
+    return stamp if math.isfinite(stamp) else math.nan
 
 
 def load_trace(path: str) -> Trace:
@@ -131,9 +145,7 @@ def load_trace(path: str) -> Trace:
                     raise TraceError(f"{path}:{n}: not a Mooncake trace line ({what})") \
                         from None
                 ids.append(hashes)
-                t = row.get("timestamp")
-                stamps.append(float(t) if isinstance(t, (int, float)) and not
-                              isinstance(t, bool) else float("nan"))
+                stamps.append(_stamp(row.get("timestamp")))
     except (OSError, EOFError, UnicodeDecodeError) as e:
         why = f"not UTF-8 text (near line {n + 1})" if isinstance(e, UnicodeDecodeError) \
             else getattr(e, "strerror", None) or str(e) or type(e).__name__

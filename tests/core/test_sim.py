@@ -267,3 +267,59 @@ def test_a_prompt_stored_in_parts_is_kept_as_if_stored_whole(name: str, shape: s
     for chunk in (4, 16):
         parts = replay(trace, 500, name, chunk=chunk).hit_fraction
         assert parts > whole - 0.012, (chunk, parts, whole)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=8), min_size=1,
+                      max_size=25),
+       capacity=st.integers(1, 12))
+def test_ids_repeated_within_a_request_replay_under_every_policy(trace: list[list[int]],
+                                                                 capacity: int) -> None:
+    """A request may name one block twice (traces are not always prefix chains): it is
+    stored once. The default's miniature caches inserted it twice, and ``chain``'s
+    ghost list failed with a KeyError on `[2], [1], [0, 3], [1, 1], [2]` at 3 blocks."""
+    t = make_trace(trace)
+    unlimited = replay(t, 10_000, "lru").hit_blocks
+    for name in [*policy_names(), BELADY]:
+        r = replay(t, capacity, name)
+        assert 0 <= r.hit_blocks <= unlimited
+
+
+def test_the_trace_that_failed_with_a_repeated_id_replays(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    path = _write(tmp_path, [[2], [1], [0, 3], [1, 1], [2]])
+    assert _run(["simulate", path, "--capacity", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hit_blocks"] == 2
+
+
+@pytest.mark.parametrize("stamp", ["1" + "0" * 309, "Infinity", "-Infinity", "NaN"])
+def test_a_timestamp_no_float_can_order_replays_in_file_order(tmp_path: Path,
+                                                              stamp: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(f'{{"timestamp": {stamp}, "hash_ids": [2]}}\n'
+                    '{"timestamp": 0, "hash_ids": [1]}\n')
+    assert load_trace(str(path)).hash_ids[0] == [2]  # (a traceback, or NaN order, before)
+
+
+def test_a_compressed_trace_piped_one_byte_first_is_still_read(tmp_path: Path) -> None:
+    """A pipe's first read may hold a single byte: too few to see gzip's magic number,
+    so the trace was read as text and refused as not UTF-8."""
+    import gzip
+    import subprocess
+    import sys
+    import time
+
+    data = gzip.compress(b"".join(json.dumps({"hash_ids": r}).encode() + b"\n"
+                                  for r in TINY))
+    proc = subprocess.Popen([sys.executable, "-c", "from kvd.cli.ctl import main; raise SystemExit(main())",
+                             "simulate", "-", "--capacity", "3", "--json"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(data[:1])
+    proc.stdin.flush()
+    time.sleep(0.5)
+    out, err = proc.communicate(data[1:], timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert json.loads(out)["requests"] == len(TINY)
