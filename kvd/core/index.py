@@ -19,7 +19,7 @@ import numpy as np
 from kvd.core.allocator import Allocator
 from kvd.core.eviction import Evictor
 from kvd.core.states import FREE, NO_SLOT, PENDING, READY
-from kvd.core.policies.base import EvictionPolicy
+from kvd.core.policies.base import EvictionPolicy, first_places
 from kvd.core.tenants import Tenant, unscoped
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
@@ -315,9 +315,7 @@ class Index:
             new = [i for i, k in enumerate(keys) if k not in ns]
         else:  # the usual case: nothing stored yet (checked in C)
             new = list(range(len(keys)))
-        if len(set(keys)) < len(keys):  # a repeated key gets one slot, at its first place
-            first: dict[bytes, int] = {}
-            new = [i for i in new if first.setdefault(keys[i], i) == i]
+        new = first_places(keys, new)  # a repeated key gets one slot, at its first place
         need = len(new) - self.allocator.free_slots(tenant.slot_bytes)
         self.allocator.fit(self.policy, self._capacity_bound)
         evicted: list[bytes] = []

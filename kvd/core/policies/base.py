@@ -12,6 +12,16 @@ from typing import ClassVar
 Key = Hashable
 
 
+def first_places(keys: Sequence[Key], positions: list[int]) -> list[int]:
+    """``positions`` without those whose key came earlier in ``keys``: a key repeated in
+    one call is stored once, at its first place (the index and the miniature caches
+    alike; a policy never sees one key inserted twice)."""
+    if len(set(keys)) == len(keys):
+        return positions
+    first: dict[Key, int] = {}
+    return [i for i in positions if first.setdefault(keys[i], i) == i]
+
+
 class EvictionPolicy(ABC):
     """Orders READY blocks for eviction.
 

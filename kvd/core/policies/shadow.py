@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from zlib import crc32
 
-from kvd.core.policies.base import EvictionPolicy, Key
+from kvd.core.policies.base import EvictionPolicy, Key, first_places
 
 MINI = 1024  # blocks a miniature cache is given at least (smaller: all keys are sampled)
 
@@ -64,12 +64,7 @@ class Shadow:
         if hits:
             policy.touch(keys[:hits], depths[0])
         # Present after a miss: the live index tells its policy nothing of those either.
-        # A key repeated in one call is stored once, at its first place (as the index
-        # allocates it): a policy never sees one key inserted twice.
-        new = [i for i in range(hits, len(keys)) if not present[i]]
-        if len(set(keys)) < len(keys):
-            first: dict[Key, int] = {}
-            new = [i for i in new if first.setdefault(keys[i], i) == i]
+        new = first_places(keys, [i for i in range(hits, len(keys)) if not present[i]])
         if new:
             add = [keys[i] for i in new]
             # Room first, as the index makes room before it stores a request's blocks.
