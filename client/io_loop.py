@@ -415,14 +415,18 @@ class IOLoop:
     def handshake(self, reply: m.Reply) -> None:
         c = self.c
         if isinstance(reply, m.Error):
-            log.warning("kvd refused the handshake: %s", reply.message)
-            self.lost(f"refused: {reply.message}", quiet=True)
+            why = f"refused: {reply.message}"
+            if why != self.why_down:  # retried every 5 s: said once per reason
+                log.warning("kvd refused the handshake: %s", reply.message)
+            self.lost(why, quiet=True)
             self.next_attempt = time.monotonic() + 5.0  # a refusal will not fix itself fast
             return
         if isinstance(reply, m.HelloOk):
             if not 0 <= reply.daemon_pid <= MAX_PID:  # (-1 would let anyone ptrace us)
-                log.warning("kvd's HelloOk names pid %d, no process", reply.daemon_pid)
-                self.lost(f"bad HelloOk (pid {reply.daemon_pid})", quiet=True)
+                why = f"bad HelloOk (pid {reply.daemon_pid})"
+                if why != self.why_down:
+                    log.warning("kvd's HelloOk names pid %d, no process", reply.daemon_pid)
+                self.lost(why, quiet=True)
                 self.next_attempt = time.monotonic() + 5.0
                 return
             self.greeted = True

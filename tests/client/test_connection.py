@@ -475,3 +475,23 @@ def test_a_send_that_races_close_is_refused_not_lost(daemon):
     finally:
         c._direct = direct
         c.close()
+
+
+def test_a_refused_register_is_logged_once_while_it_is_retried(daemon_factory, caplog):
+    """A Register the daemon refuses (the tenant limit reached) is retried every 5 s;
+    each retry logged a WARNING again, for as long as the refusal lasted (with TP=8,
+    about 100 lines a minute). Said once per reason, and still retried."""
+    d = daemon_factory(env={"KVD_MAX_TENANTS": "1"})
+    first = Connection(d.socket, register=m.Register(0, fingerprint(Spec("", model="a")), -1))
+    assert first.wait_up(10)
+    caplog.set_level("WARNING", logger="kvd_client")
+    c = Connection(d.socket, register=m.Register(0, fingerprint(Spec("", model="b")), -1))
+    try:
+        # Three tries (a Hello and a Register each), 5 s apart, each refused.
+        assert wait_for(lambda: c.stats.sent >= 6 and not c._handshaking, 20)
+        said = [r for r in caplog.records if "refused the handshake" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        assert not c.up and "tenant limit" in c._io.why_down
+    finally:
+        c.close()
+        first.close()
