@@ -52,6 +52,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_failed_transfers", "failed_transfers", "Transfers that completed with an error"),
     ("kvd_expired_transfers", "expired_transfers",
      "Transfers ended unstarted (or not committed) because their deadline passed"),
+    ("kvd_stalled_lookups", "stalled_lookups",
+     "Lookups answered as misses while copies were overdue (a stuck copy path)"),
     ("kvd_unclaimed_blocks", "unclaimed_blocks",
      "Slots of ticketed stores no worker made in time (skipped stores), given back"),
     ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),
@@ -221,6 +223,10 @@ class StatusCollector(Collector):
         yield GaugeMetricFamily("kvd_tenants", "Tenants known", value=len(st.get("tenants", [])))
         yield GaugeMetricFamily("kvd_inflight_transfers", "Transfers submitted and not done",
                                 value=st.get("transfers", {}).get("inflight", 0))
+        yield GaugeMetricFamily("kvd_overdue_transfers",
+                                "Transfers past their deadline and grace, not ended "
+                                "(above 0: the copy path is stuck; lookups miss)",
+                                value=st.get("transfers", {}).get("overdue", 0))
 
     @staticmethod
     def _events(ev: dict[str, Any]) -> Iterator[Metric]:

@@ -337,6 +337,9 @@ class Service:
 
     def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
         self._check_keys(msg.keys, msg.depth)
+        if self.transfers.stalled:  # a hit's load would wait out its deadline
+            self.counters.stalled_lookups += 1
+            return m.LookupOk(msg.req, 0, b"", 0, 0)
         if self.index.leased_by.get(client.id, 0) + len(msg.keys) > self.config.max_leased_blocks:
             raise KvdError(f"lease quota of {self.config.max_leased_blocks} blocks reached; "
                            "release leases first", m.Code.BUSY)
@@ -369,6 +372,9 @@ class Service:
             # stores) must not hold every slot PENDING, evicting every tenant's blocks.
             quota = min(self.config.max_pending_blocks,
                         max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4))
+            if self.transfers.stalled:  # its copy would not run; the engine holds the blocks
+                raise KvdError("copies are overdue (the copy path is stuck): stores are "
+                               "refused until they end", m.Code.BUSY)
             room = quota - self.index.pending_by.get(client.id, 0)
             if room <= 0:
                 raise KvdError(f"pending-store quota of {quota} blocks reached (the "
@@ -472,7 +478,8 @@ class Service:
         doc = status_document(Sources(
             self.instance, self.started, self.policy_name, self.pool, self.index,
             self.tenants, self.clients.values(), self.counters, self.inflight, self.persist,
-            {"events": events, "tiers": tiers, **self.extra_status()}))
+            {"events": events, "tiers": tiers, **self.extra_status()},
+            self.transfers.overdue))
         tc = self.tiering.counter_values() if self.tiering else TierCounters().values()
         doc["counters"].update(tc)
         return doc

@@ -35,6 +35,7 @@ class Sources:
     inflight: int
     persist: Persistence | None
     extra: dict[str, Any]  # what the shell adds (pinning, data paths, lifecycle)
+    overdue: int = 0  # copies past their deadline and grace, not ended (a stuck path)
 
 
 def status_document(svc: Sources) -> dict:
@@ -69,7 +70,7 @@ def status_document(svc: Sources) -> dict:
              "bytes": t.blocks * t.slot_bytes, "clients": len(t.clients)}
             for t in svc.tenants
         ],
-        "transfers": {"inflight": svc.inflight},
+        "transfers": {"inflight": svc.inflight, "overdue": svc.overdue},
         "persistence": _persistence(svc),
         **svc.extra,
         "counters": {
@@ -85,6 +86,7 @@ def status_document(svc: Sources) -> dict:
             "expired_transfers": svc.counters.expired_transfers,
             "unclaimed_blocks": svc.counters.unclaimed_blocks,
             "corrupt_blocks": svc.counters.corrupt_blocks,
+            "stalled_lookups": svc.counters.stalled_lookups,
             "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
             "no_space": c.no_space,
             "lookup_tokens": svc.counters.lookup_tokens,

@@ -90,6 +90,7 @@ class Counters:
     expired_transfers: int = 0
     unclaimed_blocks: int = 0  # slots of stores no worker made, given back (tickets)
     corrupt_blocks: int = 0
+    stalled_lookups: int = 0  # answered as misses while copies were overdue
     lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
     hit_tokens: int = 0
     by_code: dict[str, int] = field(default_factory=dict)  # errors by Code name
@@ -148,6 +149,16 @@ class Transfers:
         # same rank would still write after the first made the block READY.
         self.writing = np.zeros(index.allocator.max_slots, dtype=np.uint64)
         self.on_finished: Callable[[m.Direction, bool, float], None] = lambda *a: None
+        # Copies in an engine past their deadline and its grace, at the last tick: their
+        # clients gave up on them, and an engine that lets them run over is stuck.
+        self.overdue = 0
+
+    @property
+    def stalled(self) -> bool:
+        """Whether the copy path is stuck (a hung copy thread, a GPU event that never
+        completes): a hit would then hold each step of an engine that loads it up to
+        the load's deadline, for as long as it lasts, so lookups miss instead."""
+        return self.overdue > 0
 
     @property
     def inflight(self) -> int:
@@ -416,7 +427,17 @@ class Transfers:
     # ------------------------------------------------------------ ending early
     def expire(self, now: float) -> None:
         """Tick: parked Transfers whose ticket never came (or whose deadline passed);
-        tickets no rank stored with in time give their slots back."""
+        tickets no rank stored with in time give their slots back; whether copies
+        are overdue."""
+        overdue = sum(1 for job in self.owners if job.give_up < now)
+        if bool(overdue) != self.stalled:
+            if overdue:
+                log.warning("%d copies are past their deadline and grace and not ended: the "
+                            "copy path is stuck; lookups miss and stores are refused until "
+                            "they end", overdue)
+            else:
+                log.warning("overdue copies ended: lookups and stores are served again")
+        self.overdue = overdue
         for slots, gens in self.tickets.unclaimed(now):
             live = slots != NO_SLOT
             held = slots[live].astype(np.int64)

@@ -7,21 +7,24 @@ memory that the daemon reads and writes with process_vm_readv/writev.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvd.engines.base import CopyJob, expired, late
 from kvd.engines.host import HostEngine
-from kvd_client import Connection, host_regions
+from kvd_client import Connection, RemoteError, host_regions
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
 from tests.daemon.workers import Spec, fingerprint
+from tests.waiting import wait_for
 
 GRACE_S = m.EXPIRY_GRACE_NS / 1e9
 PAGES = (8192, 4096)
@@ -364,3 +367,57 @@ def test_a_paused_daemon_does_not_count_its_own_absence_as_its_clients_silence(
     finally:
         s.close()
         ctx.term()
+
+
+@contextlib.contextmanager
+def copy_threads_stopped(pid: int) -> Iterator[None]:
+    """Stop a daemon's threads other than its event loop's and ZeroMQ's (ptrace
+    interrupts, no signal): copies hang while the loop answers, as with a copy thread
+    stuck in a system call or a GPU event that never completes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    seize, interrupt, detach, wall = 0x4206, 0x4207, 17, 0x40000000
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid
+            and not open(f"/proc/{pid}/task/{t}/comm").read().startswith("ZMQ")]
+    held = []
+    try:
+        for tid in tids:
+            if libc.ptrace(seize, tid, 0, 0) != 0:
+                pytest.skip(f"cannot ptrace the daemon here: {os.strerror(ctypes.get_errno())}")
+            held.append(tid)
+            libc.ptrace(interrupt, tid, 0, 0)
+            os.waitpid(tid, wall)
+        yield
+    finally:
+        for tid in held:
+            libc.ptrace(detach, tid, 0, 0)
+
+
+def test_a_stuck_copy_path_makes_lookups_miss_until_its_copies_end(daemon_factory):
+    """The copy threads hang while the loop answers: every Lookup hit, and each load
+    of it held the engine's step for its deadline plus grace, for as long as it
+    lasted (1.5 s per loading step with a 0.5 s deadline). Once a copy is overdue,
+    lookups miss and stores are refused (BUSY); served again once the copies end."""
+    d = daemon_factory("--copy-threads", "1")
+    c = Client(d.socket, transfer_timeout=0.3)
+    try:
+        k = keys(b"T", 4)
+        c.store(k, [0, 1, 2, 3], event=1)
+        for t in c.mem:
+            t[[20, 21, 22, 23]] = 0
+        with copy_threads_stopped(d.pid):
+            hit = c.call(m.Lookup, keys=k)
+            assert hit.hits == 4  # nothing overdue yet
+            c.transfer(2, m.Direction.LOAD, [20, 21, 22, 23], unpack_u32(hit.slots))
+            assert wait_for(lambda: d.status()["transfers"]["overdue"] == 1, 10)
+            assert c.call(m.Lookup, keys=k).hits == 0
+            with pytest.raises(RemoteError) as refused:
+                c.call(m.Allocate, keys=keys(b"U", 2))
+            assert refused.value.code == m.Code.BUSY
+            assert d.status()["counters"]["stalled_lookups"] == 1
+            assert c.wait_done(2)[1].code == m.Code.EXPIRED  # the client gave it up
+        assert wait_for(lambda: d.status()["transfers"]["overdue"] == 0, 10)
+        assert c.call(m.Lookup, keys=k).hits == 4
+        assert all(not t[[20, 21, 22, 23]].any() for t in c.mem)  # the late copy wrote nothing
+        assert "copy path is stuck" in d.logs()
+    finally:
+        c.close()
