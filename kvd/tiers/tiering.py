@@ -277,6 +277,8 @@ class Tiering:
         if bad:  # corrupt in RAM too: gone from the pool (freed once unpinned)
             self.index.discard([int(slots[i]) for i in bad])
         self.index.unpin(slots)
+        if bad:
+            self.committed()  # the discard is journaled and announced now
         self._held_back(bad)
         self.counters.written_behind_blocks += kept
         self.counters.write_behind_dropped += len(slots) - kept
@@ -404,6 +406,9 @@ class Tiering:
         setattr(self.counters, f"{name}_hit_blocks",
                 getattr(self.counters, f"{name}_hit_blocks") + ready)
         self.counters.promote_failed += len(slots) - ready
+        # Journaled and announced now (BlockStored), not at the next tick up to 0.25 s
+        # later: a router would send the next turn elsewhere meanwhile.
+        self.committed()
 
     # ------------------------------------------------------------ operations
     def _tier_error(self, name: str, error: Exception) -> None:

@@ -189,3 +189,27 @@ def test_a_stalled_cluster_pins_at_most_a_quarter_of_the_pool(rig, redis_server)
         os.kill(pid, signal.SIGCONT)
     loop.pump(lambda: c.written_behind_blocks + c.write_behind_dropped == 128, timeout=60)
     assert c.written_behind_blocks > 0 and not ix.pins.any()  # written, then unpinned
+
+
+def test_a_promotion_is_committed_when_it_lands_not_at_the_next_tick(tmp_path):
+    """Promoted blocks became READY without the service's commit: the journal and the
+    KV events (BlockStored) heard of them at the next housekeeping tick, up to 0.25 s
+    later, meanwhile routers sent the conversation's next turn elsewhere."""
+    config = Config(pool_size=8 << 20, extent_size=1 << 20, disk_path=str(tmp_path),
+                    disk_size=16 << 20)
+    loop = Loop()
+    ready_at_commit: list[int] = []
+    index = new_index(config)
+    t = Tiering(config, index, np.zeros(config.pool_size, np.uint8), loop.post,
+                lambda s, fn: None, time.monotonic,
+                committed=lambda: ready_at_commit.append(index.ready_blocks))
+    try:
+        tenant = _tenant()
+        keys = [b"q%d" % i for i in range(4)]
+        t.tiers["disk"].put(tenant.digest.encode(), [
+            TierBlock(k, i, np.full(BLOCK, i, np.uint8)) for i, k in enumerate(keys)])
+        t.lookup(tenant, keys, 0, m.LookupOk(1, 0, b"", 0), lambda r: None)
+        loop.pump(lambda: t.counters.disk_hit_blocks == 4)
+        assert ready_at_commit and ready_at_commit[-1] == 4
+    finally:
+        t.close(timeout=2)
