@@ -33,8 +33,19 @@ from kvd.events import (AllBlocksCleared, BatchBuilder, KVEventBatch, TenantInfo
 
 log = logging.getLogger("kvd.publisher")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-REPLAYS_PER_PASS = 8  # then the loop serves other work before the next requests
+REPLAYS_PER_PASS = 8  # requests read per pass; then the loop serves other work
+REPLAY_BATCHES_PER_PASS = 256  # batches sent per pass, across the replays under way
+MAX_REPLAYS = 16  # replays under way at once; more requests wait in the socket
 MAX_SUBSCRIPTION = 4096  # bytes of an (un)subscription message; topics are short
+
+
+@dataclass
+class _Replay:
+    """One requester's replay, sent a few batches per pass of the loop."""
+
+    client: bytes
+    next: int  # the sequence to send next (older than the buffer: its oldest)
+    end: int  # the sequence it stops before: the next one when it asked
 
 
 @dataclass
@@ -76,6 +87,7 @@ class Publisher:
             self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # full: EAGAIN, not a drop
             self.replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes
             self.replay_endpoint = self._bind(self.replay, replay_endpoint)
+        self._replays: deque[_Replay] = deque()
 
     @staticmethod
     def _bind(sock: zmq.Socket, endpoint: str) -> str:
@@ -129,48 +141,69 @@ class Publisher:
         return None if self.replay is None else self.replay.getsockopt(zmq.FD)
 
     def service_replay(self) -> bool:
-        """Answer waiting replay requests, a few per call (edge-triggered FD); True when
-        more are waiting: the caller calls again soon, after other work."""
+        """Read a few replay requests (edge-triggered FD), then send at most
+        ``REPLAY_BATCHES_PER_PASS`` batches of the replays under way, in turns: a
+        replay of the whole buffer, or many at once, never holds the loop (each used
+        to be sent whole, a pass at a time: 40 of 2,700 batches held a Ping 1.2 s).
+        True when more is to do: the caller calls again soon, after other work."""
         sock = self.replay
         if sock is None:
             return False
         for _ in range(REPLAYS_PER_PASS):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return False
+            if len(self._replays) >= MAX_REPLAYS or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
             try:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return False
+                break
             if len(frames) != 3 or len(frames[2]) != 8:
                 self.counters.bad_replay_requests += 1
                 if self.counters.bad_replay_requests in (1, 1000):  # not one line each
                     log.warning("invalid replay request of %d frames (more are counted, "
                                 "not logged)", len(frames))
                 continue
-            client, _, start = frames
+            self.counters.replay_requests += 1
+            start = int.from_bytes(frames[2], "big", signed=True)
+            self._replays.append(_Replay(frames[0], start, self.seq))
+        budget = REPLAY_BATCHES_PER_PASS
+        while self._replays and budget > 0:
+            r = self._replays.popleft()
             try:
-                self._replay(client, int.from_bytes(start, "big", signed=True))
+                sent, done = self._send_some(r, budget)
             except Exception:  # noqa: BLE001 - one request must not stop the others
                 log.exception("replay request failed")
-        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                continue
+            budget -= max(sent, 1)
+            if not done:
+                self._replays.append(r)
+        return bool(self._replays) or bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
-    def _replay(self, client: bytes, start: int) -> None:
+    def _send_some(self, r: _Replay, budget: int) -> tuple[int, bool]:
+        """Up to ``budget`` batches of ``r``, and its end marker once it is through;
+        (batches sent, whether it is over)."""
         sock = self.replay
         assert sock is not None
-        self.counters.replay_requests += 1
         buf = self._buffer
         first = buf[0][0] if buf else self.seq
+        start = max(r.next, first)
         n = 0
         try:
-            skip = min(max(0, start - first), len(buf))  # past the end: just the marker
-            for seq, topic, payload in itertools.islice(buf, skip, None):
-                sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload),
-                                    flags=zmq.NOBLOCK, copy=False)
-                n += 1
-            sock.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+            if start < r.end:
+                for seq, topic, payload in itertools.islice(buf, start - first, None):
+                    if seq >= r.end or n == budget:
+                        break
+                    sock.send_multipart((r.client, b"", topic, seq.to_bytes(8, "big"), payload),
+                                        flags=zmq.NOBLOCK, copy=False)
+                    n += 1
+            r.next = start + n
+            if n == budget and r.next < r.end:
+                return n, False
+            sock.send_multipart((r.client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # gone, or not reading (its queue is full): it asks again
             log.debug("replay cut short: %s", e)
-        self.counters.replayed_batches += n
+        finally:
+            self.counters.replayed_batches += n
+        return n, True
 
     def status(self) -> dict:
         c = self.counters

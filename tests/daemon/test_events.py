@@ -574,3 +574,49 @@ def test_an_oversized_subscription_drops_its_subscriber_not_the_stream(events_da
         p.join(10)
         eng.close()
         sub.close()
+
+
+def test_replays_are_sent_a_bounded_number_of_batches_per_loop_pass():
+    """Each replay request was answered whole within one pass of the loop, eight per
+    pass: 40 requesters of a 2,700-batch buffer held the daemon's Ping 1.2 s. Now a
+    pass sends at most REPLAY_BATCHES_PER_PASS batches of the replays under way, in
+    turns, and every requester still gets all it asked for, in order, then the end
+    marker. (The publisher and real ZeroMQ sockets; the test plays the loop.)"""
+    from kvd.publisher import REPLAY_BATCHES_PER_PASS, Publisher
+
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=5000)
+    pub.publish([(b"kv@t", b"p%d" % i, 1) for i in range(3000)])
+    first = pub.seq - 3000
+    ctx = zmq.Context.instance()
+    peers = []
+    try:
+        for _ in range(20):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(pub.replay_endpoint)
+            peers.append(s)
+        for i, s in enumerate(peers):  # from the start, or from its middle
+            s.send_multipart([b"", (0 if i % 2 else first + 1500).to_bytes(8, "big")])
+        passes, end = 0, time.monotonic() + 30
+        while pub.counters.replay_requests < 20 or pub.service_replay():
+            before = pub.counters.replayed_batches
+            pub.service_replay()
+            assert pub.counters.replayed_batches - before <= REPLAY_BATCHES_PER_PASS
+            passes += 1
+            assert time.monotonic() < end, "the replays did not finish"
+        assert pub.counters.replayed_batches == 10 * 3000 + 10 * 1500
+        assert passes >= pub.counters.replayed_batches // REPLAY_BATCHES_PER_PASS
+        for i, s in enumerate(peers):
+            got = []
+            while True:
+                assert s.poll(5000), "no end marker"
+                _, topic, seq, payload = s.recv_multipart()
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    break
+                got.append((int.from_bytes(seq, "big"), payload))
+            start = 0 if i % 2 else 1500
+            assert got == [(first + j, b"p%d" % j) for j in range(start, 3000)]
+    finally:
+        for s in peers:
+            s.close(linger=0)
+        pub.close()
