@@ -233,13 +233,15 @@ class KvEvents:
 
     def __init__(self, endpoint: str, replay_endpoint: str, *, topic: str, node: str,
                  hwm: int, int_hashes: bool, info: Callable[[int], TenantInfo],
-                 tenants: Callable[[], Iterable[int]]) -> None:
+                 tenants: Callable[[], Iterable[int]],
+                 holds: Callable[[int, bytes], bool] = lambda tid, key: False) -> None:
         self.publisher = Publisher(endpoint, replay_endpoint, hwm)
         self.builder = BatchBuilder(int_hashes)
         self.node = node_name(node)
         self.topic = topic
         self.info = info
         self.tenants = tenants
+        self.holds = holds  # (tenant id, key): whether that tenant has the block READY
         self.pending: list[tuple] = []
         self.on_pending: Callable[[], None] | None = None
         self._encode = msgspec.msgpack.Encoder().encode
@@ -266,7 +268,7 @@ class KvEvents:
         """Publish what this iteration queued."""
         if not self.pending:
             return
-        events, self.pending = self.pending, []
+        events, self.pending = self._shared_drops(self.pending), []
         by_tenant = self.builder.build(events, self.info, self.tenants())
         if not by_tenant:
             return
@@ -286,6 +288,23 @@ class KvEvents:
             if evs:
                 batches.append((topic, self._encode(KVEventBatch(ts, evs)), len(evs)))
         self.publisher.publish(batches)
+
+    def _shared_drops(self, events: list[tuple]) -> list[tuple]:
+        """Without the drops of blocks that another tenant on the same topic still
+        holds: two tenants of one model (two TP sizes, say) share the default topic,
+        and evicting one of them told routers the node had lost the other's blocks."""
+        if not any(e[0] == "drop" for e in events):
+            return events
+        on: dict[bytes, list[int]] = {}
+        for tid in self.tenants():
+            on.setdefault(self._topic(tid), []).append(tid)
+        others = {tid: [o for o in tids if o != tid]
+                  for tids in on.values() if len(tids) > 1 for tid in tids}
+        if not others:
+            return events
+        holds = self.holds
+        return [e for e in events if e[0] != "drop"
+                or not any(holds(o, e[3]) for o in others.get(e[2], ()))]
 
     def _topic(self, tenant_id: int) -> bytes:
         t = self._topics.get(tenant_id)

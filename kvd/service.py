@@ -81,7 +81,7 @@ class Service:
                 config.events_endpoint, config.events_replay_endpoint,
                 topic=config.events_topic, node=config.events_node, hwm=config.events_hwm,
                 int_hashes=config.events_int_hashes, info=self._tenant_info,
-                tenants=lambda: [t.id for t in self.tenants])
+                tenants=lambda: [t.id for t in self.tenants], holds=self.index.holds)
             self.kv_events.clear(self._held())  # a (re)start: what it holds now
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()

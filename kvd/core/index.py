@@ -159,6 +159,10 @@ class Index:
         self._capacity_bound = self.policy.capacity  # see Allocator.fit
 
     # ------------------------------------------------------------ queries
+    def holds(self, tenant_id: int, key: bytes) -> bool:
+        """Whether the tenant has a READY block under ``key``."""
+        return key in self._ready.get(tenant_id, ())
+
     @property
     def ready_blocks(self) -> int:
         return len(self.policy)

@@ -429,6 +429,55 @@ def test_eviction_publishes_block_removed(daemon_factory, capsys):
         capsys.readouterr()
 
 
+class _OtherLayout(Engine):
+    """A second tenant of the same model (another page layout, as another TP size)."""
+
+    def __init__(self, socket: str) -> None:
+        self.spec = Spec(socket, pages=(4096, 4096))
+        self.sched = Connection(socket, name="sched2",
+                                register=m.Register(0, fingerprint(self.spec), -1))
+        assert self.sched.wait_up(10)
+        self.worker = Worker(self.spec)
+        self.event = 0
+
+
+def test_a_block_another_tenant_on_the_topic_holds_is_not_said_removed(
+        events_daemon, capsys):
+    """Two tenants of one model share the default topic. Evicting one of them told
+    routers the node had lost blocks the other still served; now only what no tenant
+    on the topic holds any more is removed."""
+    sub = Sub(endpoints(events_daemon)[0])
+    a, b = Engine(events_daemon.socket), _OtherLayout(events_daemon.socket)
+    try:
+        both, only_a = [key(i) for i in range(4)], [key(i) for i in range(4, 6)]
+        a.store(both + only_a)
+        b.store(both)
+        while not sub.quiet():
+            sub.recv()
+        tenants = events_daemon.status()["tenants"]
+        tid_a = next(t["id"] for t in tenants if t["slot_bytes"] == sum(a.spec.pages))
+        assert ctl.main(["--socket", events_daemon.socket, "evict", "--tenant",
+                         str(tid_a)]) == 0
+        topic, _, payload = sub.recv()
+        removed = [h for e in decode(payload).events if isinstance(e, BlockRemoved)
+                   for h in e.block_hashes]
+        assert topic == TOPIC and sorted(removed) == sorted(published(k) for k in only_a)
+        held = b.sched.request(m.Lookup(b.sched.next_req(), both))
+        assert held.hits == 4
+        b.sched.request(m.Release(b.sched.next_req(), held.lease))  # evictable again
+        tid_b = next(t["id"] for t in events_daemon.status()["tenants"] if t["id"] != tid_a)
+        assert ctl.main(["--socket", events_daemon.socket, "evict", "--tenant",
+                         str(tid_b)]) == 0
+        removed = [h for e in decode(sub.recv()[2]).events if isinstance(e, BlockRemoved)
+                   for h in e.block_hashes]
+        assert sorted(removed) == sorted(published(k) for k in both)  # the last holder
+    finally:
+        a.close()
+        b.close()
+        sub.close()
+        capsys.readouterr()
+
+
 def test_stuck_subscriber_does_not_slow_stores(daemon_factory, tmp_path):
     # ipc: small socket buffers, so a subscriber that never reads is full soon.
     d = daemon_factory("--events-endpoint", f"ipc://{tmp_path}/events.ipc",
