@@ -10,7 +10,6 @@ import os
 
 import numpy as np
 
-from kvd.core.tenants import Tenant
 from kvd.engines.base import TransferEngine
 from kvd.errors import KvdError, RequestError
 from kvd.transfers import Client
@@ -47,9 +46,10 @@ def check_register(client: Client, msg: m.Register) -> None:
                        "copies (share the daemon's uid)", m.Code.PERMISSION)
 
 
-def attach_memory(engines: dict[str, TransferEngine], client: Client, tenant: Tenant,
-                  msg: m.Register) -> None:
-    """Pick the data path from what the client registered and open its memory."""
+def attach_memory(engines: dict[str, TransferEngine], client: Client,
+                  pages: tuple[int, ...], msg: m.Register) -> None:
+    """Pick the data path from what the client registered and open its memory;
+    ``pages``: the fingerprint's bytes per block of each tensor."""
     kind = "client_copy" if msg.client_copy else "cuda" if msg.cuda_regions else "host"
     if kind == "host" and client.peer_pid <= 0:
         # The pid would be the client's word: copying another process's memory by it
@@ -65,7 +65,6 @@ def attach_memory(engines: dict[str, TransferEngine], client: Client, tenant: Te
                            + (" (no usable CUDA device)" if kind == "cuda" else ""))
     if kind == "client_copy":
         client.engine = engine
-        pages = tenant.rank_page_bytes
         client.bases = np.zeros(len(pages), dtype=np.uint64)
         client.strides = np.array(pages, dtype=np.uint64)
         client.pages = np.array(pages, dtype=np.uint64)
@@ -76,11 +75,11 @@ def attach_memory(engines: dict[str, TransferEngine], client: Client, tenant: Te
 
         refuse_foreign_pid_namespace(client.hello_pid, client.peer_pid)
     regions = msg.cuda_regions or msg.host_regions
-    if len(regions) != len(tenant.rank_page_bytes):
+    if len(regions) != len(pages):
         raise RequestError(
-            f"{len(regions)} memory regions for a fingerprint of "
-            f"{len(tenant.rank_page_bytes)} tensors", m.Code.SIZE_MISMATCH)
-    for r, page in zip(regions, tenant.rank_page_bytes):
+            f"{len(regions)} memory regions for a fingerprint of {len(pages)} tensors",
+            m.Code.SIZE_MISMATCH)
+    for r, page in zip(regions, pages):
         if kind == "host" and not (0 < r.base and r.num_blocks > 0 and r.base + (
                 r.num_blocks - 1) * r.stride + r.page_bytes <= 1 << 64):
             raise RequestError(f"host region at {r.base:#x} of {r.num_blocks} blocks "

@@ -281,8 +281,14 @@ class Service:
         digest = fingerprint_digest(msgspec.structs.asdict(fp))
         try:
             self.index.allocator.check_slot_bytes(sum(pages) * fp.tp_size)
+        except AllocatorError as e:
+            raise RequestError(str(e)) from None
+        if msg.rank >= 0:
+            # Before a tenant is made or another dropped to make room for it: a Register
+            # refused for its memory changes nothing.
+            attach_memory(self.engines, client, tuple(pages), msg)
+        try:
             tenant = self.tenants.find(digest)
-            created = tenant is None
             if tenant is None:
                 self._make_room_for_a_tenant()
                 tenant = self.tenants.create(
@@ -290,15 +296,11 @@ class Service:
                     block_tokens=fp.block_tokens)
                 if self.persist is not None:
                     self.persist.tenant_added(tenant)
-        except (TenantError, AllocatorError) as e:
+        except TenantError as e:
+            if client.engine is not None:  # what attach opened closes with the refusal
+                client.engine.detach(client.id)
+                client.engine = None
             raise RequestError(str(e)) from None
-        if msg.rank >= 0:
-            try:
-                attach_memory(self.engines, client, tenant, msg)
-            except KvdError:  # refused: a tenant made for this Register goes with it
-                if created and not tenant.clients and not tenant.blocks:
-                    self.tenants.drop(tenant)
-                raise
         client.tenant, client.rank = tenant, msg.rank
         if tenant.block_tokens != fp.block_tokens:  # restored from an older journal
             tenant.block_tokens = fp.block_tokens

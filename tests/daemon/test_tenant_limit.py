@@ -5,8 +5,9 @@ blocks. A real daemon, real client processes."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from kvd_client import Connection, RemoteError
+from kvd_client import Connection, RemoteError, host_regions
 from kvd_proto import messages as m
 
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
@@ -58,3 +59,28 @@ def test_a_tenant_without_clients_makes_room_for_a_new_one(daemon_factory):
     assert lookup(sched_a, ks_a).hits == 4
     other.close()
     sched_a.close()
+
+
+def test_a_register_refused_for_its_memory_drops_no_other_tenant(daemon_factory):
+    """A worker of a new fingerprint registers memory that does not match it: the typed
+    refusal comes before any idle tenant gives up its place (its blocks were evicted
+    first, and lost to a bad request)."""
+    d = daemon_factory(env={"KVD_MAX_TENANTS": "2"})
+    sched_a, _ = stored(d, "a", 2)
+    sched_b, ks_b = stored(d, "b", 5)
+    sched_b.close()
+    assert wait_for(lambda: clients_of(d, "b") == 0, 20)
+    bad = Connection(d.socket, name="bad")
+    assert bad.wait_up(10)
+    one_region = host_regions([np.zeros((4, 8192), dtype=np.uint8)])  # 2 tensors named
+    with pytest.raises(RemoteError, match="1 memory regions") as refused:
+        bad.request(m.Register(bad.next_req(), fingerprint(Spec("", model="c")), 0,
+                               one_region))
+    assert refused.value.code == m.Code.SIZE_MISMATCH
+    st = d.status()
+    assert sorted(t["model"] for t in st["tenants"]) == ["a", "b"]
+    assert st["counters"]["evicted_blocks"] == 0
+    sched_b = scheduler(d, Spec(d.socket, model="b"))  # b's engine is back: all there
+    assert lookup(sched_b, ks_b).hits == 5
+    for c in (bad, sched_a, sched_b):
+        c.close()
