@@ -370,18 +370,21 @@ class Service:
             self._check_keys(msg.keys, msg.depth, msg.length)
             if len(msg.parent) > MAX_KEY:
                 raise RequestError(f"a parent key is longer than {MAX_KEY} bytes")
-            # Three quarters of the pool at most: one connection (a scheduler that never
-            # stores) must not hold every slot PENDING, evicting every tenant's blocks.
-            quota = min(self.config.max_pending_blocks,
-                        max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4))
             if self.transfers.stalled:  # its copy would not run; the engine holds the blocks
                 raise KvdError("copies are overdue (the copy path is stuck): stores are "
                                "refused until they end", m.Code.BUSY)
-            room = quota - self.index.pending_by.get(client.id, 0)
+            # Three quarters of the pool at most per tenant, whatever its connections:
+            # a scheduler that never stores (or several of one fingerprint) must not
+            # hold every slot PENDING, evicting every tenant's blocks.
+            pending = self.index.pending_by
+            share = max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4)
+            room = min(self.config.max_pending_blocks - pending.get(client.id, 0),
+                       share - sum(pending.get(c, 0) for c in tenant.clients))
             if room <= 0:
-                raise KvdError(f"pending-store quota of {quota} blocks reached (the "
-                               "smaller of max_pending_blocks and 3/4 of the pool); finish "
-                               "or abort stores first", m.Code.BUSY)
+                raise KvdError(f"pending-store quota reached (max_pending_blocks "
+                               f"{self.config.max_pending_blocks} per connection, 3/4 of the "
+                               f"pool, {share} blocks, per tenant); finish or abort stores "
+                               "first", m.Code.BUSY)
         except KvdError:
             if msg.ticket:  # the workers' stores by it end at once, copying nothing,
                 # instead of waiting for an allocation that will never come

@@ -253,13 +253,17 @@ def test_a_load_naming_a_slot_twice_is_refused(service):
     assert "named twice" in done.message and service.index.pinned_blocks == 0
 
 
-def test_one_connection_holds_at_most_three_quarters_of_the_pool_pending(service):
+def test_one_tenant_holds_at_most_three_quarters_of_the_pool_pending(service):
     """A scheduler that allocates and never stores: its Allocates stop at 3/4 of the
-    pool's slots, so another tenant still gets room."""
-    peer = hello(service, b"hog")
+    pool's slots, and a second connection of its fingerprint gets none past them (it
+    got 3/4 of its own, the whole pool), so another tenant still gets room."""
     spec = Spec("unused", model="hog")
-    assert isinstance(service.handle(b"hog", peer, m.Register(2, fingerprint(spec), -1)),
-                      m.Registered)
+    peers = {}
+    for ident in (b"hog", b"hog2"):
+        peers[ident] = hello(service, ident)
+        assert isinstance(service.handle(ident, peers[ident],
+                                         m.Register(2, fingerprint(spec), -1)), m.Registered)
+    peer = peers[b"hog"]
     tenant = service.clients[b"hog"].tenant
     quota = service.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4
     got = 0
@@ -271,6 +275,10 @@ def test_one_connection_holds_at_most_three_quarters_of_the_pool_pending(service
             break
         got += reply.allocated
     assert got == quota == service.index.pending_blocks
+    reply = service.handle(b"hog2", peers[b"hog2"], m.Allocate(
+        3, [b"g%d" % i for i in range(64)], pending_ms=600_000))
+    assert isinstance(reply, m.Error) and reply.code == m.Code.BUSY
+    assert service.index.pending_blocks == quota
     other, _mem = registered(service, b"w", seed=5)
     reply = service.handle(b"w", other, m.Allocate(3, [b"x%d" % i for i in range(64)]))
     assert isinstance(reply, m.Allocated) and reply.allocated == 64
