@@ -132,6 +132,15 @@ class Persistence:
                     rec.restored += 1
                 else:
                     rec.unplaceable += 1
+        # Tenants dropped at the tenant limit leave no record (their blocks' evictions
+        # do): past the limit, those left without a block go again, oldest first.
+        over = len(tenants) - tenants.max_tenants
+        for t in sorted(by_id.values(), key=lambda t: t.id):
+            if over <= 0:
+                break
+            if not t.blocks:
+                tenants.drop(t)
+                over -= 1
 
     def snapshot(self, index: Index, tenants: Tenants) -> list[Record]:
         out: list[Record] = [self.header]

@@ -72,6 +72,25 @@ def test_kill9_then_restart_restores_committed_blocks(daemon_factory):
     sched.close()
 
 
+def test_tenants_dropped_at_the_tenant_limit_do_not_come_back_at_restart(daemon_factory):
+    """A tenant dropped to make room leaves no journal record of its own: restored
+    with the others, the daemon held more tenants than its limit after a restart."""
+    d = daemon_factory(start=False)
+    d.env = {"KVD_PERSIST": "true", "KVD_MAX_TENANTS": "2"}
+    d.start()
+    ks, _, digest = store(d, 4)  # tenant 1, idle, with blocks
+    for model in ("b", "c"):  # b: idle, no block; c's Register drops it
+        sched = scheduler(d, Spec(d.socket, model=model, pages=PAGES))
+        sched.close()
+        assert wait_for(lambda: all(t["clients"] == 0 for t in d.status()["tenants"]), 20)
+    assert sorted(t["model"] for t in d.status()["tenants"]) == ["c", "tiny"]
+    d.kill()
+    d.start()
+    assert sorted(t["model"] for t in d.status()["tenants"]) == ["c", "tiny"]
+    hits, got, code = load_digest(d, ks)
+    assert (hits, code) == (4, 0) and got == digest
+
+
 def test_a_journal_removed_while_running_is_written_again(daemon_factory):
     """Removed under a running daemon, the journal took its commits on an unlinked inode:
     the next warm restart restored nothing. Now the next tick writes it again."""
