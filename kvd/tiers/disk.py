@@ -143,7 +143,11 @@ class DiskTier(Tier):
     # ------------------------------------------------------------ restart
     def _restore(self, reused: bool) -> int:
         """Rebuild the index from the journal, or start empty (truncating the file)."""
-        live, why = replay(self.journal.path, self.geometry)
+        skipped: list[int] = []
+        live, why = replay(self.journal.path, self.geometry, skipped)
+        if sum(skipped):  # a kill's torn tail, or damage: the blocks named after it are lost
+            log.warning("disk tier %s: the last %d bytes of its journal are not intact "
+                        "records and are ignored", self.path, sum(skipped))
         if live and not reused:
             why = "the data file is missing or was resized"
         if why:

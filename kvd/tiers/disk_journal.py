@@ -42,10 +42,12 @@ class DiskDrop(msgspec.Struct, array_like=True, frozen=True, tag="D"):
 _DECODER = msgspec.msgpack.Decoder(DiskHeader | DiskPut | DiskDrop)
 
 
-def replay(path: str, geometry: DiskHeader) -> tuple[dict[int, DiskPut], str]:
+def replay(path: str, geometry: DiskHeader,
+           skipped: list[int] | None = None) -> tuple[dict[int, DiskPut], str]:
     """The live blocks the journal at ``path`` names (slot -> block, in journal order),
-    or why it cannot be used under ``geometry``."""
-    records = read_records(path, _DECODER)
+    or why it cannot be used under ``geometry``. ``skipped`` gets the bytes after the
+    last intact record (a torn tail, or damage), as ``read_records`` says them."""
+    records = read_records(path, _DECODER, skipped=skipped)
     first = next(records, None)
     if first is None:
         return {}, ""

@@ -5,6 +5,7 @@ another block's bytes."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import subprocess
@@ -442,6 +443,24 @@ def test_a_torn_journal_tail_loses_nothing_before_it(tmp_path):
     t.close()
     t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
     assert_hits(t, ks("a", 10) + ks("b", 5))
+    t.close()
+
+
+def test_damage_inside_the_journal_is_said_at_start(tmp_path, caplog):
+    """A damaged record ends the replay (what it and the records after it named is
+    lost, and the start's compaction rewrites the journal without them): as for the
+    pool's journal, the start says so instead of losing the blocks in silence."""
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    t.put(NS, blocks(ks("p", 20)))
+    t.close()
+    path = tmp_path / JOURNAL_FILE
+    flip(path, path.stat().st_size // 2)
+    caplog.set_level(logging.WARNING, logger="kvd")
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    kept = len(t._entries)
+    assert 0 < kept < 20  # the blocks named before the damage
+    said = [r.getMessage() for r in caplog.records if "not intact records" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path) in said[0]
     t.close()
 
 
