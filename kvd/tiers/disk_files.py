@@ -31,7 +31,8 @@ def open_files(path: str, size: int) -> Opened:
         os.makedirs(path, exist_ok=True)
         fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as e:
-        raise ConfigError(f"disk tier: cannot create {data}: {e}") from None
+        raise ConfigError(f"disk tier: cannot {'open' if existed[0] else 'create'} "
+                          f"{data}: {e}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         reused = os.fstat(fd).st_size == size

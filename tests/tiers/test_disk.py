@@ -497,6 +497,9 @@ def test_config_errors(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ConfigError, match="cannot create"):
         DiskTier(str(tmp_path / "file" / "disk"), SIZE, extent_size=EXT)
+    (tmp_path / "there" / DATA_FILE).mkdir(parents=True)  # there, but not to be opened
+    with pytest.raises(ConfigError, match="cannot open"):
+        DiskTier(str(tmp_path / "there"), SIZE, extent_size=EXT)
     t = make_tier("disk", path=str(tmp_path / "d"), size=SIZE, extent_size=EXT)
     with pytest.raises(ConfigError, match="in use"):
         DiskTier(str(tmp_path / "d"), SIZE, extent_size=EXT)
