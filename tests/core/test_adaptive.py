@@ -14,6 +14,7 @@ from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, Index
 from kvd.core.policies import make_policy
 from kvd.core.policies.adaptive import AdaptivePolicy, Z, challenger
+from kvd.core.policies.arc import ARCPolicy
 from kvd.core.policies.base import _REGISTRY, EvictionPolicy
 from kvd.core.policies.lru import LRUPolicy
 from kvd.core.policies.shadow import MINI, key_hash, sample_shift
@@ -272,3 +273,50 @@ def test_an_expert_whose_miniature_overpromises_loses_the_lead_to_its_live_recor
     assert alone["twofaced"] < alone["lru"] - 0.05 * refs  # the live face is worse
     # The lead passes once a few capacities were stored under it: most of the edge.
     assert hits - alone["twofaced"] > 0.8 * (alone["lru"] - alone["twofaced"])
+
+
+# ---------------------------------------------------------------- a new leader's state
+class _Handovers(AdaptivePolicy):
+    """LRU first, then ARC; at each handover to ARC records ARC's live T1 target
+    before and after it, and its miniature's, scaled to the live capacity."""
+
+    experts = ("lru", "arc")
+
+    def _choose(self) -> None:
+        lead, live, mini = self.lead, self._live[1], self._shadows[1].policy
+        before = live.target_t1
+        super()._choose()
+        if self.lead != lead and self.leader == "arc":
+            self.handovers.append((before, live.target_t1,
+                                   mini.target_t1 * live.capacity / mini.capacity))
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_arc_takes_the_lead_with_the_split_its_miniature_learned(seed: int) -> None:
+    """While LRU led, the live ARC's ghost lists held LRU's victims, and their returns
+    set its T1 target; its miniature adapted on its own victims. Chat (LRU's ground),
+    then documents amid noise (ARC's): at the handover ARC's split is the miniature's,
+    which here is far from the one LRU's victims had made."""
+    rng = random.Random(seed)
+    chat = _chat(3000, rng)
+    docs = [[b"D" + k for k in r] for r in _docs_and_noise(3000, rng)]
+    policy = _Handovers(1000)
+    policy.handovers = []
+    _replay(policy, chat + docs)
+    assert policy.handovers and policy.leader == "arc"
+    for _, after, learned in policy.handovers:
+        assert after == pytest.approx(min(learned, 1000.0))
+    # The scenario is what it claims: the split LRU's victims made was far off.
+    assert max(abs(before - learned) for before, _, learned in policy.handovers) > 100
+
+
+def test_arc_scales_its_miniatures_split_to_its_own_capacity() -> None:
+    mini, live = ARCPolicy(100), ARCPolicy(800)
+    mini.target_t1, live.target_t1 = 30.0, 700.0
+    live.lead_from(mini)
+    assert live.target_t1 == pytest.approx(240.0)
+    mini.target_t1 = 100.0
+    live.lead_from(mini)
+    assert live.target_t1 == pytest.approx(800.0)
+    live.lead_from(LRUPolicy(100))  # another class: nothing to learn from
+    assert live.target_t1 == pytest.approx(800.0)

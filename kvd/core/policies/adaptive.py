@@ -23,6 +23,10 @@ Two checks keep the choice honest:
   its shadow's hits while it led, counted once ``SETTLE`` capacities of stores went
   by under it, and forgotten as slowly as the scores.
 
+A new leader takes over what it learned in its shadow where the others' choices
+distorted its own copy (``lead_from``: ARC's split between T1 and T2 adapts on returns
+of its ghosts, which held the previous leader's victims).
+
 The first leader is ARC: a late switch costs least towards LRU, whose order is the
 held keys' recency whoever chose them, while ARC's edge (reused blocks kept apart from
 one-off ones) is history that a late start lacks.
@@ -155,6 +159,7 @@ class AdaptivePolicy(EvictionPolicy):
                                self._products, lead, Z)
         if self.lead != lead:
             self._settle = SETTLE * self._mini
+            self._live[self.lead].lead_from(self._shadows[self.lead].policy)
         if self._seen >= self._window:  # forget slowly, so the choice can follow
             self._seen = 0
             for s in self._shadows:

@@ -113,6 +113,15 @@ class ARCPolicy(EvictionPolicy):
                 if over > 0:
                     deque(map(ghost.popitem, repeat(False, over)), maxlen=0)
 
+    def lead_from(self, miniature: EvictionPolicy) -> None:
+        """T1's target, as the miniature learned it from its own victims: while another
+        policy led, B1 and B2 held that one's victims, and their returns (e.g. reused
+        blocks another policy dropped from T2's side) drove this target towards the
+        whole capacity, where ARC would purge T2, the reused blocks that are its edge."""
+        if isinstance(miniature, ARCPolicy):
+            self.target_t1 = min(float(self.capacity),
+                                 miniature.target_t1 * self.capacity / miniature.capacity)
+
     def set_capacity(self, capacity: int) -> None:
         super().set_capacity(capacity)
         self.target_t1 = min(self.target_t1, float(self.capacity))

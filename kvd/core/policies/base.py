@@ -87,6 +87,12 @@ class EvictionPolicy(ABC):
         but a policy whose state keys off its own victims may do otherwise."""
         self.evicted_many(keys)
 
+    def lead_from(self, miniature: EvictionPolicy) -> None:
+        """This policy starts choosing the victims (``adaptive`` hands it the lead);
+        ``miniature``, the same class at a smaller capacity, replayed a sample of the
+        keys under its own choices all along. A policy whose learned state its
+        ``outvoted`` calls distorted may take that state from the miniature, scaled."""
+
     def evict(self, n: int) -> list[Key]:
         """The ``n`` best victims, evicted; policies override it only to be faster."""
         keys = list(islice(self.victims(), n))
