@@ -149,28 +149,33 @@ def test_failed_store_never_becomes_ready(daemon):
 def test_allocate_skips_stored_keys_and_reports_no_room(daemon_factory):
     d = daemon_factory("--pool-size", "1M", "--extent-size", "1M")
     spec = Spec(d.socket, pages=(65536,))  # 16 blocks fit
-    # Two schedulers: one connection holds at most 3/4 of the pool PENDING.
-    sched, other = scheduler(d, spec), scheduler(d, spec)
-    w = Worker(spec)
+    spec2 = Spec(d.socket, model="other", pages=(65536,))
+    # Two tenants: one holds at most 3/4 of the pool PENDING.
+    sched, other = scheduler(d, spec), scheduler(d, spec2)
+    w, w2 = Worker(spec), Worker(spec2)
     try:
         ks = keys(16)
-        slots = np.concatenate([allocate(sched, ks[:8]), allocate(other, ks[8:])])
+        slots = [allocate(sched, ks[:8]), allocate(other, ks[8:])]
         r = sched.request(m.Allocate(sched.next_req(), ks[:4]))
         assert unpack_u32(r.slots).tolist() == [NO_SLOT] * 4  # PENDING already
         # All 16 PENDING: nothing can be evicted, so no room at all.
         r = sched.request(m.Allocate(sched.next_req(), keys(2, "x")))
         assert r.allocated == 0 and r.evicted == []
-        assert w.store(1, range(16), slots)[1] == 0
+        assert w.store(1, range(8), slots[0])[1] == 0
+        assert w2.store(1, range(8), slots[1])[1] == 0
         hit = lookup(sched, ks[:2])  # leased: pinned, not evictable
         r = sched.request(m.Allocate(sched.next_req(), keys(12, "y")))
         r2 = other.request(m.Allocate(other.next_req(), keys(3, "z")))
         assert (r.allocated, r2.allocated) == (12, 2)  # the pinned two stop it
-        assert len(r.evicted) + len(r2.evicted) == 14
+        assert d.status()["counters"]["evicted_blocks"] == 14
+        # Each reply names the tenant's own keys evicted, never another tenant's.
+        assert set(r.evicted) <= set(ks[2:8]) and set(r2.evicted) <= set(ks[8:])
         assert set(r.evicted + r2.evicted).isdisjoint(ks[:2])
         assert lookup(sched, ks[:2]).hits == 2
         sched.request(m.Release(sched.next_req(), hit.lease))
     finally:
         w.close()
+        w2.close()
         sched.close()
         other.close()
 
