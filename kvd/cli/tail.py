@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvd.cli.admin import EXIT_FAIL, EXIT_OK, AdminClient, fetch_status
+from kvd.cli.admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, AdminClient, fetch_status
 from kvd.events import BlockRemoved, BlockStored, decode
 
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "[::]": "[::1]"}
@@ -73,7 +73,13 @@ def run(args: argparse.Namespace, client: AdminClient) -> int:
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:  # a malformed --endpoint: say so, not a traceback
+        sock.close()
+        ctx.term()
+        print(f"kvdctl: cannot subscribe to {endpoint!r}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if not args.json:
         print(f"following {endpoint} (Ctrl-C to stop)", flush=True)
     n, last = 0, -1

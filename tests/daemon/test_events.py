@@ -583,6 +583,16 @@ def test_kvdctl_events_follows_the_stream(events_daemon, capsys):
         eng.close()
 
 
+@pytest.mark.parametrize("endpoint", ["garbage", "tcp://nohost", "tcp://127.0.0.1:notaport"])
+def test_kvdctl_events_refuses_a_malformed_endpoint_in_one_line(endpoint, capsys):
+    """It printed libzmq's traceback and exited 1, as a failure of the daemon would."""
+    assert ctl.main(["--socket", "/nonexistent/kvd.sock", "events",
+                     "--endpoint", endpoint]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvdctl: cannot subscribe to") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_kvdctl_events_when_off(daemon, capsys):
     assert ctl.main(["--socket", daemon.socket, "events"]) == 1
     assert "events_endpoint" in capsys.readouterr().err
