@@ -50,7 +50,7 @@ def peer_address(frame: zmq.Frame) -> str:
 
 
 def _gid(name: str | int) -> int:
-    if isinstance(name, int) or str(name).isdigit():
+    if isinstance(name, int) or (str(name).isascii() and str(name).isdecimal()):
         return int(name)
     try:
         return grp.getgrnam(str(name)).gr_gid

@@ -119,7 +119,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                 raise ValueError(f"{key} {value!r}: expected tcp://HOST:PORT or ipc://PATH")
         try:
             self.events_topic.format(node="n", model="m", tenant=0)
-        except (KeyError, IndexError, ValueError) as e:
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
             raise ValueError(f"events_topic {self.events_topic!r}: use only {{node}}, "
                              f"{{model}} and {{tenant}} ({e})") from None
         if not 1 <= self.max_tenants <= 1 << 20:
@@ -138,6 +138,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                     "max_keys_per_request", "max_leased_blocks", "max_pending_blocks"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be at least 1")
+        for key in ("allowed_uids", "admin_uids"):
+            bad = [u for u in getattr(self, key) if not 0 <= u < 0xFFFFFFFF]
+            if bad:  # -1 and 2**32-1 mean "no uid" to the kernel: no peer ever matches
+                raise ValueError(f"{key}: {bad[0]} is not a uid (0..{0xFFFFFFFF - 1})")
         if self.stop_timeout_ms < 0:
             raise ValueError("stop_timeout_ms must be 0 (no wait) or more")
         if self.remote_ttl_s < 0:
@@ -195,6 +199,8 @@ def _normalize(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         k = key.replace("-", "_")
         if k not in FIELDS:
             raise ConfigError(f"{source}: unknown key {key!r}")
+        if k in out:  # max-lease-ms and max_lease_ms both: which one was meant?
+            raise ConfigError(f"{source}: {k} is given twice (as - and _ spellings)")
         if k in SIZE_KEYS:
             try:
                 value = parse_size(value)
@@ -240,8 +246,10 @@ def load(
                 data = tomllib.load(f)
         except OSError as e:
             raise ConfigError(f"cannot read config file {file}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{file}: not valid TOML: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{file}: not valid TOML: nested too deeply") from None
         layers.append((f"file {file}", _normalize(data, f"config file {file}")))
     layers.append(("env", _normalize(env_values(environ), "environment (KVD_*)")))
     layers.append(("flag", _normalize({k: v for k, v in (flags or {}).items() if v is not None},

@@ -192,6 +192,9 @@ class Lifecycle:
             except KvdError as e:
                 log.error("reload failed, keeping the running configuration: %s", e)
                 return
+            except Exception:  # a bug in loading must not take a serving daemon down
+                log.exception("reload failed, keeping the running configuration")
+                return
             self.apply(new, origins)
         finally:
             self.notifier.ready(self.status_line())

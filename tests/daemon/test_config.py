@@ -46,6 +46,9 @@ def test_bad_values_are_rejected_naming_the_key(env, key):
     ({"KVD_POOL_SIZE": "99999999999999999T"}, "pool_size .* more than 1 EiB"),
     ({"KVD_SOCKET_MODE": "99"}, "socket_mode: not an octal mode"),
     ({"KVD_MAX_MESSAGE_BYTES": "0"}, "max_message_bytes must be at least 4096"),
+    ({"KVD_ALLOWED_UIDS": "1000,-1"}, "allowed_uids: -1 is not a uid"),  # matched nobody
+    ({"KVD_ADMIN_UIDS": str(1 << 40)}, "admin_uids: .* is not a uid"),
+    ({"KVD_EVENTS_TOPIC": "{tenant[0]}"}, "events_topic .* use only"),
 ])
 def test_values_that_cannot_work_are_refused_at_load_naming_where_they_came_from(env, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -127,3 +130,13 @@ def test_tier_settings_are_read_with_sizes():
                          "KVD_TIER_QUEUE_BYTES": "64M", "KVD_REMOTE_LOOKUP_MS": "0"})
     assert cfg.disk_size == 2 << 40 and cfg.tier_queue_bytes == 64 << 20
     assert cfg.remote_lookup_ms == 0 and cfg.remote == ""
+
+
+def test_a_key_given_in_both_spellings_is_refused(tmp_path):
+    """``max-lease-ms`` and ``max_lease_ms`` in one file: the last one silently won."""
+    f = tmp_path / "kvd.toml"
+    f.write_text("max-lease-ms = 5\nmax_lease_ms = 6\n")
+    with pytest.raises(ConfigError, match="max_lease_ms is given twice"):
+        load(str(f), {})
+    f.write_text("max-lease-ms = 5\n")
+    assert load(str(f), {})[0].max_lease_ms == 5

@@ -420,6 +420,30 @@ def test_reloads_that_would_lock_clients_out_are_refused(daemon_factory, tmp_pat
         Access(Config(allowed_groups=["no-such-group-kvd"]))
 
 
+@pytest.mark.parametrize("content", [
+    b"\xff\xfe\x00 not text",                       # UnicodeDecodeError from tomllib
+    b"a = " + b"[" * 5000 + b"]" * 5000 + b"\n",      # RecursionError
+    'allowed_groups = ["\u00b2"]\n'.encode(),          # str.isdigit() but not int()
+    b'events_topic = "{node.x}"\n',                    # AttributeError from format()
+])
+def test_a_file_that_fails_to_load_in_any_way_is_a_failed_reload_not_a_dead_daemon(
+        daemon_factory, tmp_path, capsys, content):
+    """Each of these raised past the reload's ``KvdError`` handler: the serving daemon
+    exited 1 and left its socket and pool behind."""
+    f = tmp_path / "kvd.toml"
+    f.write_text("client_timeout_ms = 10000\n")
+    d = daemon_factory("--config", str(f), "--metrics-port", "0")
+    f.write_bytes(content)
+    os.kill(d.pid, signal.SIGHUP)
+    logs = wait_log(d, "reload failed")
+    assert "Traceback" not in logs  # typed: one line naming the file
+    assert re.search(r"reload failed, keeping the running configuration: .*(kvd\.toml|"
+                     r"allowed_groups|events_topic)", logs), logs[-1000:]
+    assert d.proc.poll() is None
+    assert config_json(d, capsys)["client_timeout_ms"]["value"] == 10000
+    assert d.stop() == 0
+
+
 def test_a_reload_signal_while_stopping_is_not_applied():
     """systemd would see RELOADING=1 and READY=1 after STOPPING=1."""
     async def scenario():
