@@ -30,6 +30,16 @@ def take_start_signals() -> None:
     signal.signal(signal.SIGHUP, _note_reload)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_starting)
+    for sig in UNUSED:  # their default action is death without a word (a log-rotation
+        signal.signal(sig, _unused)  # script's `kill -USR1`, say): say so and go on
+
+
+UNUSED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+
+
+def _unused(signum: int, frame: object) -> None:
+    log.warning("signal %s ignored: SIGHUP reloads the configuration, SIGTERM stops",
+                signal.Signals(signum).name)
 
 
 def reload_pending() -> bool:

@@ -444,6 +444,18 @@ def test_a_file_that_fails_to_load_in_any_way_is_a_failed_reload_not_a_dead_daem
     assert d.stop() == 0
 
 
+def test_signals_kvd_does_not_use_are_logged_and_ignored(daemon_factory):
+    """SIGUSR1 (a log-rotation script's habit), SIGUSR2 and SIGALRM killed the daemon
+    without a log line, leaving its socket and pool behind."""
+    d = daemon_factory()
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+        os.kill(d.pid, sig)
+        wait_log(d, f"signal {sig.name} ignored")
+    assert d.proc.poll() is None
+    assert ctl.main(["--socket", d.socket, "health"]) == 0
+    assert d.stop() == 0
+
+
 def test_a_reload_signal_while_stopping_is_not_applied():
     """systemd would see RELOADING=1 and READY=1 after STOPPING=1."""
     async def scenario():
