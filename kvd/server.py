@@ -273,6 +273,8 @@ class Server:
         """Up to DRAIN_BATCH messages, then the rest at the loop's next turn: a client
         that floods the socket must not hold up other clients' Dones and the timers."""
         sock = self.sock
+        if sock.closed:  # queued by a late Done before the stop closed it
+            return
         for _ in range(DRAIN_BATCH):
             if not sock.get(_EVENTS) & _POLLIN:
                 break

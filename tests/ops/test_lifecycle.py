@@ -10,10 +10,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
 import pytest
+import uvloop
 
 from kvd.access import Access, Peer
 from kvd.cli import ctl
@@ -21,6 +23,7 @@ from kvd.config import Config
 from kvd.lifecycle import Lifecycle, config_changes
 from kvd.notify import Notifier
 from kvd.pool import Pool
+from kvd.server import Server
 from kvd.service import Service
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32
@@ -473,3 +476,33 @@ def test_a_reload_signal_while_stopping_is_not_applied():
         return asked
 
     assert asyncio.run(scenario()) == [1]
+
+
+def test_a_drain_queued_before_the_socket_closed_does_nothing_after_it(tmp_path):
+    """A copy finishing during the stop queues a drain (``_send``) that the loop's
+    shutdown runs after ``close()``: it raised ENOTSOCK from the closed socket."""
+    tag = uuid.uuid4().hex[:8]
+    cfg = Config(socket=str(tmp_path / f"kvd-{tag}.sock"),
+                 pool_path=f"/dev/shm/kvd-test-{tag}.pool", pool_size=8 << 20,
+                 extent_size=1 << 20, metrics_port=0)
+    outcome: list[BaseException | None] = []
+
+    async def scenario() -> None:
+        server = Server(cfg)
+        server.loop.call_soon(server.stopping.set)
+        await server.run()
+        assert server.sock.closed
+        try:
+            server._drain()  # what a queued call_soon(self._drain) does at shutdown
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    def in_thread() -> None:  # (not the main thread: pytest keeps its signal handlers)
+        uvloop.run(scenario())
+
+    t = threading.Thread(target=in_thread)
+    t.start()
+    t.join(30)
+    assert not os.path.exists(cfg.pool_path) and not os.path.exists(cfg.socket)
+    assert outcome == [None]
