@@ -231,6 +231,19 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return raw
 
 
+def read_toml(file: str) -> dict[str, Any]:
+    """A TOML file's table; ConfigError for every way it can fail to be one."""
+    try:
+        with open(file, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {file}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{file}: not valid TOML: nested too deeply") from None
+
+
 def load(
     file: str | None = None,
     environ: Mapping[str, str] | None = None,
@@ -241,16 +254,7 @@ def load(
     file = file or environ.get("KVD_CONFIG")
     layers: list[tuple[str, dict[str, Any]]] = []
     if file:
-        try:
-            with open(file, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {file}: {e.strerror}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{file}: not valid TOML: {e}") from None
-        except RecursionError:
-            raise ConfigError(f"{file}: not valid TOML: nested too deeply") from None
-        layers.append((f"file {file}", _normalize(data, f"config file {file}")))
+        layers.append((f"file {file}", _normalize(read_toml(file), f"config file {file}")))
     layers.append(("env", _normalize(env_values(environ), "environment (KVD_*)")))
     layers.append(("flag", _normalize({k: v for k, v in (flags or {}).items() if v is not None},
                                       "command line")))

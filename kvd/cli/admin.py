@@ -9,7 +9,8 @@ from "kvd said no" (exit 1), in words that say what to do.
     AdminError            exit code in ``.exit_code``
     ├── Unreachable       3: no socket, nothing answering, or no answer in time
     ├── Refused           1: socket permissions or FORBIDDEN
-    └── Failed            1: any other error reply (``.code``)
+    ├── Failed            1: any other error reply (``.code``)
+    └── NotKvd            1: the peer answers, but not as kvd does
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import stat
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvd_proto import messages as m
@@ -42,6 +44,17 @@ class Failed(AdminError):
     def __init__(self, code: m.Code, message: str) -> None:
         super().__init__(f"kvd refused the request: {m.Code(code).name}: {message}")
         self.code = m.Code(code)
+
+
+class NotKvd(AdminError):
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"the socket at {path} does not answer as kvd does ({why}): "
+                         "another service, or a kvd of another version?")
+
+
+# What each admin request is answered with (an Error aside).
+_REPLIES: dict[type, type] = {m.Hello: m.HelloOk, m.Stats: m.StatsOk,
+                              m.GetConfig: m.ConfigOk, m.Evict: m.Ok, m.Flush: m.Ok}
 
 
 def check_socket(path: str) -> None:
@@ -99,13 +112,20 @@ class AdminClient:
                 raise Unreachable(f"kvd is not answering on {self.path} "
                                   f"(no reply in {self.timeout:g}s; stale socket or hung "
                                   "daemon? see `systemctl status kvd`)")
-            reply = m.decode_reply(sock.recv())
+            try:
+                reply = m.decode_reply(sock.recv())
+            except msgspec.DecodeError as e:
+                raise NotKvd(self.path, f"undecodable reply: {e}") from None
             if reply.req != msg.req:
                 continue  # a late answer to an earlier request
             if isinstance(reply, m.Error):
                 if reply.code == m.Code.FORBIDDEN:
                     raise Refused(f"access refused by kvd: {reply.message}")
                 raise Failed(reply.code, reply.message)
+            want = _REPLIES.get(type(msg))
+            if want is not None and not isinstance(reply, want):
+                raise NotKvd(self.path, f"{type(msg).__name__} answered with "
+                                        f"{type(reply).__name__}")
             return reply
 
     def request(self, make: type[m.Request] | object, *args: object) -> m.Reply:
@@ -141,4 +161,19 @@ def fetch_status(client: AdminClient) -> dict[str, Any]:
     """The daemon's status document (what ``kvdctl status --json`` prints)."""
     reply = client.request(m.Stats)
     assert isinstance(reply, m.StatsOk)
-    return json.loads(reply.status)
+    doc = document(client, reply.status)
+    missing = {"pool", "counters", "blocks", "clients", "tenants"} - doc.keys()
+    if missing:
+        raise NotKvd(client.path, f"its status lacks {', '.join(sorted(missing))}")
+    return doc
+
+
+def document(client: AdminClient, blob: bytes | str) -> dict[str, Any]:
+    """A JSON object from a reply, or NotKvd."""
+    try:
+        doc = json.loads(blob)
+    except ValueError as e:
+        raise NotKvd(client.path, f"a reply that is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise NotKvd(client.path, "a reply that is not a JSON object")
+    return doc

@@ -16,8 +16,9 @@ from typing import Any
 
 from kvd.cli import render, tail
 from kvd.cli.admin import (EXIT_DOWN, EXIT_FAIL, EXIT_OK, EXIT_USAGE, AdminClient,
-                           AdminError, fetch_status)
-from kvd.config import SIZE_KEYS, default_socket
+                           AdminError, document, fetch_status)
+from kvd.config import SIZE_KEYS, default_socket, read_toml
+from kvd.errors import ConfigError
 from kvd_proto import messages as m
 
 SYSTEM_CONFIG = "/etc/kvd/kvd.toml"
@@ -121,15 +122,10 @@ def resolve_socket(args: argparse.Namespace) -> str:
 def _socket_of(file: str) -> str:
     """The ``socket`` key of a kvd.toml, nothing else of it: the daemon's other settings
     (and their environment) are the daemon's business. ValueError says why not."""
-    import tomllib
-
     try:
-        with open(file, "rb") as f:
-            socket = tomllib.load(f).get("socket", "")
-    except OSError as e:
-        raise ValueError(f"cannot read config file {file}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{file}: not valid TOML: {e}") from None
+        socket = read_toml(file).get("socket", "")
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
     if not isinstance(socket, str):
         raise ValueError(f"{file}: socket must be a path, not {socket!r}")
     return socket
@@ -194,7 +190,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     with _client(args) as c:
         reply = c.request(m.GetConfig)
     assert isinstance(reply, m.ConfigOk)
-    values = json.loads(reply.values)
+    values = document(c, reply.values)
     doc = {k: {"value": v, "origin": reply.origins.get(k, "unknown")}
            for k, v in sorted(values.items())}
     text = render.table([[k, _show_value(k, d["value"]), d["origin"]] for k, d in doc.items()],

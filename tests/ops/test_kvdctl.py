@@ -174,6 +174,64 @@ def test_access_refused_exits_1(tmp_path, capsys):
     assert rc == 1 and out == "unhealthy: access refused by kvd: uid 1000 may not use this kvd\n"
 
 
+def not_kvd(path: str, answer) -> tuple[threading.Thread, threading.Event]:
+    """A ROUTER that answers each message with ``answer(request)`` (bytes): another
+    ZeroMQ service, or a kvd of another version, at kvdctl's socket path."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(f"ipc://{path}")
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            if sock.poll(50):
+                ident, data = sock.recv_multipart()
+                sock.send_multipart([ident, answer(m.decode_request(data))])
+        sock.close(linger=0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t, done
+
+
+def _hello_then(other):
+    def answer(msg):
+        if isinstance(msg, m.Hello):
+            return m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), "x", 1))
+        return m.encode(other(msg.req))
+    return answer
+
+
+@pytest.mark.parametrize("answer,command,why", [
+    (lambda msg: b"\x93\xa5junk", "status", "undecodable reply"),
+    (lambda msg: m.encode(m.StatsOk(msg.req, b"{}")), "status", "Hello answered with StatsOk"),
+    (_hello_then(lambda req: m.StatsOk(req, b"not json")), "status", "not JSON"),
+    (_hello_then(lambda req: m.StatsOk(req, b"[1]")), "clients", "not a JSON object"),
+    (_hello_then(lambda req: m.StatsOk(req, b"{}")), "health", "its status lacks"),
+    (_hello_then(lambda req: m.ConfigOk(req, b"null", {})), "config", "not a JSON object"),
+    (_hello_then(lambda req: m.Ok(req, 0)), "status", "Stats answered with Ok"),
+])
+def test_a_peer_that_is_not_kvd_is_one_line_and_exit_1(tmp_path, capsys, answer, command,
+                                                       why):
+    """Each was a traceback (an assert, a KeyError, a JSON error) from kvdctl."""
+    path = str(tmp_path / "other.sock")
+    t, done = not_kvd(path, answer)
+    try:
+        rc, out, err = run(capsys, "--socket", path, "--timeout", "2", command)
+    finally:
+        done.set()
+        t.join(5)
+    text = (out + err).strip()
+    assert rc == 1 and "Traceback" not in text and len(text.splitlines()) == 1, text
+    assert "does not answer as kvd does" in text and why in text, text
+
+
+def test_a_config_file_nested_too_deeply_is_a_usage_error(tmp_path, capsys):
+    f = tmp_path / "deep.toml"
+    f.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert ctl.main(["--config", str(f), "status"]) == 2  # was a RecursionError
+    assert "nested too deeply" in capsys.readouterr().err
+
+
 def test_usage_errors_exit_2(capsys):
     for argv in ([], ["evict"], ["evict", "--all", "--tenant", "1"], ["bogus"]):
         with pytest.raises(SystemExit) as e:
