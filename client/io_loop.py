@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 import os
 import queue
 import threading
@@ -99,14 +100,18 @@ class IOLoop:
         self.c = conn
         self.sock: zmq.Socket | None = None
         self.pending: dict[int, tuple[Future | None, float, str]] = {}
-        # req -> (Transfer, give-up time on time.monotonic()): kept across a reconnect
-        self.transfers: dict[int, tuple[m.Transfer, float]] = {}
+        # req -> (Transfer, give-up time on time.monotonic(), the daemon run it went to):
+        # kept across a reconnect, since the run it went to may still copy it
+        self.transfers: dict[int, tuple[m.Transfer, float, str]] = {}
+        self.in_flight: Counter[str] = Counter()  # daemon run -> its Transfers here
         self.poller: zmq.Poller | None = None
         self.sock_fd = -1  # the socket's (edge-triggered) FD, which the thread polls
         self.inbox: list[bytes] = []  # received on a caller's thread, for this one
         self.watched_fd = -1
         self.callers_until = 0.0  # until then, callers receive: the thread need not watch
-        self.daemon_fd = -1  # pidfd of the daemon, where it is in our PID namespace
+        # pidfd -> daemon run, where it is in our PID namespace: the current run, and an
+        # earlier one while Transfers sent to it are not over (it may still copy them)
+        self.daemons: dict[int, str] = {}
         self.phase = "down"  # down -> hello -> register -> up
         self.handshake_req = 0
         self.next_attempt = 0.0
@@ -164,8 +169,8 @@ class IOLoop:
             self.flush_outbox(budget=FLUSH_BUDGET)
             more = self.drain(budget=FLUSH_BUDGET)
             # After the socket: the daemon's last Dones may have come with its exit.
-            if self.daemon_fd >= 0 and self.daemon_fd in events:
-                self.daemon_exited()
+            for fd in [fd for fd in self.daemons if fd in events]:
+                self.daemon_exited(fd)
             # Nothing expires while replies wait unread: its own may be among them.
             self.timers(time.monotonic(), expire=not more)
 
@@ -233,7 +238,7 @@ class IOLoop:
     def poll_ms(self, now: float) -> int:
         ms = self.phase_poll_ms(now)
         if self.transfers:  # wake up when the first of them may be given up
-            give_up = min(g for _, g in self.transfers.values())
+            give_up = min(g for _, g, _ in self.transfers.values())
             ms = min(ms, max(1, int((give_up - now) * 1000) + 1))
         return ms
 
@@ -330,7 +335,8 @@ class IOLoop:
     def track(self, msg: m.Request, fut: Future | None) -> None:
         """A message went out: wait for its reply (a call) or its Done (a Transfer)."""
         if isinstance(msg, m.Transfer):
-            self.transfers[msg.req] = (msg, msg.deadline_ns / 1e9 + GRACE_S)
+            self.transfers[msg.req] = (msg, msg.deadline_ns / 1e9 + GRACE_S, self.c.instance)
+            self.in_flight[self.c.instance] += 1
         else:
             self.pending[msg.req] = (fut, time.monotonic() + self.c.timeout * 2,
                                      type(msg).__name__)
@@ -366,13 +372,13 @@ class IOLoop:
             if entry is not None and entry[0] is not None:
                 entry[0].set_exception(RemoteError(m.Code.INTERNAL, f"undecodable reply: {e}"))
             elif req in self.transfers and tag == "done":  # copying is over
-                msg, _ = self.transfers.pop(req)
+                msg = self.pop_transfer(req)
                 self.deliver(m.Done(req, msg.event, m.Code.INTERNAL, f"undecodable Done: {e}"))
             return
         if isinstance(reply, m.Done):
-            entry = self.transfers.pop(reply.req, None)
-            if entry is not None:  # its event is ours, whatever the reply says
-                self.deliver(msgspec.structs.replace(reply, event=entry[0].event))
+            msg = self.pop_transfer(reply.req)
+            if msg is not None:  # its event is ours, whatever the reply says
+                self.deliver(msgspec.structs.replace(reply, event=msg.event))
             return
         if isinstance(reply, m.EventWaited):  # the store may now reuse its CUDA event
             if c.on_event_waited is not None:
@@ -382,7 +388,7 @@ class IOLoop:
                     log.exception("on_event_waited callback failed")
             return
         if reply.req in self.transfers:  # an error about a Transfer still ends it
-            msg, _ = self.transfers.pop(reply.req)
+            msg = self.pop_transfer(reply.req)
             code = reply.code if isinstance(reply, m.Error) else m.Code.INTERNAL
             text = reply.message if isinstance(reply, m.Error) else "unexpected reply"
             self.deliver(m.Done(msg.req, msg.event, code, text))
@@ -480,44 +486,69 @@ class IOLoop:
         self.pending.clear()
         # Transfers stay: the daemon may still copy them until their deadline.
 
-    def end_transfers(self, code: m.Code, why: str, now: float | None = None) -> None:
-        """Fail the Transfers nobody will answer: all of them, or (with ``now``) those
-        past their give-up time, when the daemon no longer copies them."""
+    def pop_transfer(self, req: int) -> m.Transfer | None:
+        """A Transfer is over: forget it (and an earlier daemon run it was the last of)."""
+        entry = self.transfers.pop(req, None)
+        if entry is None:
+            return None
+        msg, _, run = entry
+        self.in_flight[run] -= 1
+        if not self.in_flight[run]:
+            del self.in_flight[run]
+            if run != self.c.instance:
+                self.unwatch_daemons(lambda r: r == run)
+        return msg
+
+    def end_transfers(self, code: m.Code, why: str, now: float | None = None,
+                      run: str | None = None) -> None:
+        """Fail the Transfers nobody will answer: all of them, those that went to daemon
+        ``run`` (which exited), or (with ``now``) those past their give-up time, when the
+        daemon no longer copies them."""
         c = self.c
-        ended = [r for r, (_, give_up) in self.transfers.items()
-                 if now is None or give_up <= now]
+        ended = [r for r, (_, give_up, to) in self.transfers.items()
+                 if (now is None or give_up <= now) and (run is None or to == run)]
         for r in ended:
-            msg, _ = self.transfers.pop(r)
+            msg = self.pop_transfer(r)
+            assert msg is not None
             c.stats.lost_transfers += 1
             self.deliver(m.Done(msg.req, msg.event, code, why))
 
     def watch_daemon(self, hello: m.HelloOk) -> None:
         """Learn at once when the daemon's process ends (it can copy nothing more then).
         Only where its pid means the same process to us: same PID namespace, which the
-        daemon tells by echoing our pid as it sees it."""
-        self.unwatch_daemon()
+        daemon tells by echoing our pid as it sees it. An earlier run stays watched while
+        Transfers sent to it are not over: only its own exit (or their deadlines) ends
+        them, never the exit of the run that replaced it."""
+        self.unwatch_daemons(lambda r: r != hello.instance and r not in self.in_flight)
+        if hello.instance in self.daemons.values():
+            return  # the same run again (the connection was lost, not the daemon)
         if hello.peer_pid != os.getpid() or hello.daemon_pid <= 0 or self.poller is None:
             return  # another namespace (or an older daemon): deadlines alone decide
         try:
-            self.daemon_fd = os.pidfd_open(hello.daemon_pid)
+            fd = os.pidfd_open(hello.daemon_pid)
         except OSError:
             return
-        self.poller.register(self.daemon_fd, zmq.POLLIN)
+        self.poller.register(fd, zmq.POLLIN)
+        self.daemons[fd] = hello.instance
 
-    def unwatch_daemon(self) -> None:
-        if self.daemon_fd >= 0:
+    def unwatch_daemons(self, which: Callable[[str], bool] = lambda run: True) -> None:
+        for fd in [fd for fd, run in self.daemons.items() if which(run)]:
+            del self.daemons[fd]
             if self.poller is not None:
-                self.poller.unregister(self.daemon_fd)
-            os.close(self.daemon_fd)
-            self.daemon_fd = -1
+                self.poller.unregister(fd)
+            os.close(fd)
 
-    def daemon_exited(self) -> None:
-        self.unwatch_daemon()
+    def daemon_exited(self, fd: int) -> None:
+        run = self.daemons[fd]
+        self.unwatch_daemons(lambda r: r == run)
+        if run != self.c.instance:  # an earlier run: what it was sent is over now
+            self.end_transfers(m.Code.CLIENT_GONE, "an earlier kvd run exited", run=run)
+            return
         end = time.monotonic() + EXIT_GRACE_S
-        while self.transfers and self.sock is not None and time.monotonic() < end:
+        while self.in_flight[run] and self.sock is not None and time.monotonic() < end:
             if self.sock.poll(5):
                 self.drain()
-        self.end_transfers(m.Code.CLIENT_GONE, "kvd exited")
+        self.end_transfers(m.Code.CLIENT_GONE, "kvd exited", run=run)
         if self.phase != "down":
             self.lost("kvd exited")
 
@@ -563,6 +594,6 @@ class IOLoop:
         # Closing means this process stops using kvd (an engine shutting down): what is
         # still in flight is reported to the caller, whose memory goes away with it.
         self.end_transfers(m.Code.CLIENT_GONE, "connection closed")
-        self.unwatch_daemon()
+        self.unwatch_daemons()
         if self.sock is not None:
             self.sock.close(linger=linger)

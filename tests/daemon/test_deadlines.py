@@ -212,6 +212,40 @@ def test_a_daemon_that_dies_ends_transfers_at_once(daemon, paused):
         c.close()
 
 
+def test_the_exit_of_a_replacing_daemon_ends_only_its_own_transfers(daemon_factory):
+    """A Transfer went to daemon A, which then paused; its socket was taken over by a
+    new daemon B, and the client moved to B. When B exits, A's Transfer is not over: A
+    may wake and still copy it into the engine's blocks, so only A's own exit (or the
+    Transfer's deadline) ends it, once."""
+    a = daemon_factory()
+    c = Client(a.socket, transfer_timeout=60, timeout=0.5, ping_interval=0.2)
+    try:
+        k = keys(b"R", 2)
+        c.store(k, [0, 1], event=1)
+        hit = c.call(m.Lookup, keys=k)
+        os.kill(a.pid, signal.SIGSTOP)
+        c.transfer(2, m.Direction.LOAD, [40, 41], unpack_u32(hit.slots))
+        assert wait_for(lambda: not c.conn.up, 10)  # the paused daemon was given up
+        os.unlink(a.socket)  # (an operator's cleanup; a second kvd takes the path)
+        b = daemon_factory(start=False)
+        b.socket = a.socket
+        b.start()
+        assert c.conn.wait_up(10) and c.conn.daemon_pid == b.pid
+        b.kill()
+        assert wait_for(lambda: not c.conn.up, 10)  # the client saw B exit
+        time.sleep(0.3)
+        assert c.dones_of(2) == []  # A still holds it
+        a.kill()
+        _, done = c.wait_done(2, timeout=5)  # A's exit ends it at once, not at 60 s
+        assert done.code == m.Code.CLIENT_GONE
+        time.sleep(0.2)
+        assert len(c.dones_of(2)) == 1
+    finally:
+        c.close()
+        if a.proc is not None:
+            os.kill(a.pid, signal.SIGCONT)
+
+
 def _job(direction: m.Direction, pool: np.ndarray, far: np.ndarray, deadline: float,
          event: int = 1) -> CopyJob:
     n = len(pool)
