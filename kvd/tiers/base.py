@@ -98,7 +98,8 @@ class Tier(ABC):
       tier holds, as far as it knows (a hint: ``get_into`` may still miss). Where it
       sees sizes, a block that is not ``nbytes`` long (when given) ends the run: the
       daemon makes room for a run before reading it, so a promise it cannot keep
-      costs good blocks in RAM.
+      costs good blocks in RAM. It counts as the run's use: a tier that evicts keeps
+      the run from the demotions that the room for it sends down before the read.
     - ``get_into(ns, keys, outs)`` reads the leading run of ``keys`` into ``outs`` (one
       writable buffer per key, of the block's exact length) and returns how many
       leading blocks it read *verified* (header and xxh3). A missing, corrupt, foreign

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from itertools import islice
+from itertools import islice, takewhile
 from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
@@ -237,14 +237,23 @@ class DiskTier(Tier):
 
     # ------------------------------------------------------------ Tier
     def contains(self, ns: bytes, keys: Sequence[bytes], nbytes: int = 0) -> int:
+        """The leading run of ``keys`` held, made the most recent: a promotion reads it
+        next, and the blocks its room in RAM sends down must not evict it first."""
         # (sizes unchecked: the tier wrote each entry, of its tenant's one block size)
         with self._lock:
             if self._off():  # a promotion now would fail, and evict for it first
                 return 0
-            for i, key in enumerate(keys):
-                if _scoped(ns, key) not in self._entries:
-                    return i
-        return len(keys)
+            run = list(takewhile(self._entries.__contains__, (_scoped(ns, k) for k in keys)))
+            if run:
+                self._touch(run)
+        return len(run)
+
+    def _touch(self, keys: list[bytes]) -> None:
+        """A use of held ``keys`` (under ``_lock``)."""
+        entries = self._entries
+        self.policy.touch(keys, entries[keys[0]].depth)
+        for k in keys:  # most recent last: a compaction keeps the order
+            entries[k] = entries.pop(k)
 
     @_io_errors
     def put(self, ns: bytes, blocks: Sequence[TierBlock]) -> int:
@@ -391,11 +400,6 @@ class DiskTier(Tier):
                     self.counts["bad_slots"] += 1
             elif bad is None:
                 self._faults = 0
-            alive = [k for e in run[:ok] if entries.get(k := _scoped(ns, e.key)) is e]
-            if alive:
-                self.policy.touch(alive, entries[alive[0]].depth)
-                for k in alive:  # most recent last: a compaction keeps the order
-                    entries[k] = entries.pop(k)
             self.counts["read_blocks"] += ok
         if gone is not None:
             try:

@@ -213,3 +213,38 @@ def test_a_promotion_is_committed_when_it_lands_not_at_the_next_tick(tmp_path):
         assert ready_at_commit and ready_at_commit[-1] == 4
     finally:
         t.close(timeout=2)
+
+
+@pytest.mark.parametrize("disk_policy", ["lru", ""])
+def test_a_promotion_does_not_evict_the_run_it_promotes(rig, tmp_path, monkeypatch,
+                                                        disk_policy):
+    """A run promoted from a full disk makes room in RAM; what that evicts goes down
+    and needs room on the disk. The run being read was the disk's oldest, so it was
+    evicted for the demotion before its read: the Lookup promised blocks that never
+    came (promote_failed). Asked for, the run is the disk's most recent now."""
+    t, loop = rig(disk_path=str(tmp_path), disk_size=8 << 20, disk_policy=disk_policy)
+    tenant, c, disk = _tenant(), t.counters, t.tiers["disk"]
+    ns = tenant.digest.encode()
+    _store(t, tenant, [b"a%d" % i for i in range(128)])  # RAM is full
+    promoted = [b"p%d" % i for i in range(8)]
+    disk.put(ns, [TierBlock(k, i, np.full(BLOCK, i, np.uint8)) for i, k in enumerate(promoted)])
+    room = disk.allocator.total_slots(disk._slot_bytes(BLOCK)) - 8
+    for start in range(0, room, 16):  # then other blocks fill the disk
+        disk.put(ns, [TierBlock(b"f%d" % i, 0, np.zeros(BLOCK, np.uint8))
+                      for i in range(start, min(start + 16, room))])
+    assert disk.contains(ns, promoted) == 8
+    evicted = disk.counts["evicted_blocks"]
+    read = disk.get_into
+
+    def read_after_the_demotion(*args):  # the writer thread gets there first
+        deadline = time.monotonic() + 5
+        while disk.counts["evicted_blocks"] < evicted + 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return read(*args)
+
+    monkeypatch.setattr(disk, "get_into", read_after_the_demotion)
+    reply = t.lookup(tenant, promoted, 0, m.LookupOk(1, 0, b"", 0), lambda r: None)
+    assert reply is not None and reply.pending == 8
+    loop.pump(lambda: c.disk_hit_blocks + c.promote_failed >= 8 and c.demoted_blocks >= 8)
+    assert (c.disk_hit_blocks, c.promote_failed) == (8, 0)
+    assert t.index.lookup(tenant, promoted)[0] == 8
