@@ -23,8 +23,10 @@ memory the daemon cannot open is copied here (loads) by ``ClientCopyPath``
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,7 @@ from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, pack_u32
 
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
+_LIVE: weakref.WeakSet[KvdWorker] = weakref.WeakSet()  # for a fork's child
 
 
 class _HostPath:
@@ -128,6 +131,20 @@ class KvdWorker(OffloadingWorker):
         log.info("kvd worker rank %d: %s data path, %d KV tensors, socket %s", rank,
                  self.path.kind, len(self.tensors), options.socket)
         _report_load_errors_through(self, spec)
+        _LIVE.add(self)
+
+    def _forked(self) -> None:
+        """In a fork's child: the connection is closed there (``Connection._forked``),
+        so no Done comes for the parent's jobs; the daemon copies into the parent's
+        memory, never the child's. They end here (a load as failed: the child's copy
+        of its blocks was not written), and the lock is new: the parent's may have
+        been held by its I/O thread, which the child lacks."""
+        self._cond = threading.Condition()
+        jobs, self._jobs = self._jobs, {}
+        for job_id, job in jobs.items():
+            if job.load:
+                self._load_errors.update(job.block_ids.tolist())
+            self._finished.append(TransferResult(job_id, True))
 
     # ------------------------------------------------------------ submit
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
@@ -311,3 +328,11 @@ def _unusable(spec: LoadStoreSpec, blocks: np.ndarray, conn: Connection) -> str:
     if (spec.slots == NO_SLOT).any():
         return "no_slot"
     return ""
+
+
+def _after_fork_in_child() -> None:
+    for worker in list(_LIVE):
+        worker._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

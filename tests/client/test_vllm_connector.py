@@ -557,6 +557,51 @@ def test_worker_shutdown_waits_for_the_copies_into_its_memory(engine_side, daemo
     assert torch.equal(storage[:, 24:26], storage[:, 1:3])
 
 
+def test_a_fork_child_of_a_worker_ends_the_parents_jobs_and_never_blocks(engine_side, daemon):
+    """Forked while a load was in flight and another thread held the worker's lock (as
+    its I/O thread does delivering a Done): the child's get_finished blocked on that
+    lock for ever, and its shutdown waited out the parent's deadlines for Dones that
+    cannot come there. The child ends the parent's jobs at once, a load as failed (the
+    daemon writes into the parent's memory, not the child's); the parent goes on."""
+    import threading
+
+    mgr, worker, storage = engine_side
+    spec = stored_then_hit(mgr, worker, "fork")
+    storage[:, 26:28] = 0
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with worker._cond:
+            held.set()
+            release.wait(10)
+
+    daemon.proc.send_signal(signal.SIGSTOP)
+    t = threading.Thread(target=hold)
+    try:
+        assert worker.submit_load(7, spec, gpu([26, 27]))
+        t.start()
+        assert held.wait(5)
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest from here on, only an exit code
+            code = 1
+            try:
+                finished = [(r.job_id, r.success) for r in worker.get_finished()]
+                errors = worker.take_load_errors()
+                worker.shutdown()
+                code = 0 if (finished, errors) == ([(7, True)], {26, 27}) else 3
+            finally:
+                os._exit(code)
+        assert child_exit(pid, 5) == 0  # None: it hung; 3: the jobs were not ended
+    finally:
+        release.set()
+        daemon.proc.send_signal(signal.SIGCONT)
+        t.join()
+    worker.wait({7})  # the parent's load: copied by the daemon, once
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(7, True)]
+    assert worker.take_load_errors() == set()
+    assert torch.equal(storage[:, 26:28], storage[:, 1:3])
+
+
 def test_in_a_multiconnector_only_kvds_connector_reports_its_load_errors(monkeypatch):
     """Another connector's failed loads stay its own: kvd lends its report only to the
     sub-connector that runs its spec."""
