@@ -88,7 +88,8 @@ EVENT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_events", "events", "KV events published (BlockStored, BlockRemoved, "
                              "AllBlocksCleared)"),
     ("kvd_event_batches_dropped", "dropped_batches",
-     "KV event batches a slow subscriber missed (its high-water mark was full)"),
+     "Times a slow subscriber's queue (events_hwm) was full: it misses batches from "
+     "then until it drains, and replays them"),
     ("kvd_event_replay_requests", "replay_requests", "Replay requests answered"),
 )
 

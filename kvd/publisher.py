@@ -10,7 +10,8 @@ Why XPUB with XPUB_NODROP instead of PUB: a PUB socket drops silently at the
 high-water mark, so nobody could count what a slow subscriber lost. Here a send that
 would exceed some subscriber's high-water mark fails at once (never blocks); the batch
 is counted as dropped and sent again in lossy mode, so every other subscriber still
-gets it. A stuck or absent subscriber thus never slows the daemon: sends are
+gets it. ZeroMQ then drops for that subscriber without a word until it drains, so the
+count is of the times a subscriber fell behind, not of the batches it missed. A stuck or absent subscriber thus never slows the daemon: sends are
 non-blocking, and with no subscriber a batch goes nowhere.
 
 Runs on the event loop (the server services the replay socket from ``loop.add_reader``).
@@ -52,7 +53,10 @@ class _Replay:
 class PublisherCounters:
     batches: int = 0  # published (sent to every subscriber that kept up)
     events: int = 0
-    dropped_batches: int = 0  # batches at least one subscriber missed (its HWM was full)
+    # Times a subscriber's queue was found full: it misses that batch and, unseen by
+    # us (ZeroMQ drops for it quietly until it drains), the ones after; the gap in
+    # the sequence tells it to replay. Not a count of the batches it missed.
+    dropped_batches: int = 0
     replay_requests: int = 0
     replayed_batches: int = 0
     bad_replay_requests: int = 0

@@ -76,12 +76,22 @@ def _io_errors(method: F) -> F:
     return cast(F, wrapped)
 
 
+# A file too small for extents of eight pool extents still gets this many, where each
+# holds a largest block: several block sizes (tenants) then share it.
+MIN_EXTENTS = 4
+
+
 def extent_for(pool_extent: int, size: int) -> int:
     """The disk tier's extent under a pool of ``pool_extent``: a block as large as a pool
     extent fits with its header; slots of header and payload leave at most about an
     eighth of an extent unused (extents of the pool's size could leave half); and the
-    extents tile the file."""
-    n = max(1, size // (8 * pool_extent + PAGE))
+    extents tile the file. A file of fewer than eight pool extents gets up to
+    ``MIN_EXTENTS`` smaller ones (down to a pool extent and a header), at the cost of
+    more rounding for blocks near a pool extent's size: an extent holds one block size,
+    and a file of one extent held one tenant's block size at a time, each put of the
+    other size wiping it."""
+    n = max(1, size // (8 * pool_extent + PAGE),
+            min(MIN_EXTENTS, size // (pool_extent + PAGE)))
     return size // n // PAGE * PAGE
 
 
