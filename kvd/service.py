@@ -370,6 +370,12 @@ class Service:
             self._check_keys(msg.keys, msg.depth, msg.length)
             if len(msg.parent) > MAX_KEY:
                 raise RequestError(f"a parent key is longer than {MAX_KEY} bytes")
+            if missing := self._ranks_missing(tenant):
+                raise KvdError(f"no worker of this model is registered as rank"
+                               f"{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
+                               ": nobody would copy the "
+                               "blocks (was its Register refused?); stores are skipped",
+                               m.Code.BUSY)
             if self.transfers.stalled:  # its copy would not run; the engine holds the blocks
                 raise KvdError("copies are overdue (the copy path is stuck): stores are "
                                "refused until they end", m.Code.BUSY)
@@ -412,6 +418,13 @@ class Service:
         gens[got] = self.index.gen[slots[got].astype(np.int64)]
         return m.Allocated(msg.req, slots.tobytes(), res.evicted, res.allocated,
                            gens.tobytes())
+
+    def _ranks_missing(self, tenant: Tenant) -> list[int]:
+        """Ranks no client of ``tenant`` registered memory for. Until each has one, no
+        block can be stored whole: slots allocated now would only evict other blocks
+        and wait out their pending time (a scheduler whose workers were refused)."""
+        have = {c.rank for c in self.clients.values() if c.tenant is tenant}
+        return [r for r in range(tenant.tp_size) if r not in have]
 
     def _release(self, client: Client, msg: m.Release) -> m.Reply:
         if self.index.lease_owner(msg.lease) not in (None, client.id):

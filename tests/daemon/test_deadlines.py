@@ -386,7 +386,9 @@ def test_a_paused_daemon_does_not_count_its_own_absence_as_its_clients_silence(
     try:
         assert isinstance(call(m.Hello(1, m.PROTOCOL_VERSION, os.getpid(), "raw")), m.HelloOk)
         spec = Spec(d.socket, pages=(4096,))
-        assert isinstance(call(m.Register(2, fingerprint(spec), -1)), m.Registered)
+        mem = np.zeros((2, 4096), dtype=np.uint8)
+        assert isinstance(call(m.Register(2, fingerprint(spec), 0, host_regions([mem]))),
+                          m.Registered)
         assert isinstance(call(m.Allocate(3, [b"k1", b"k2"])), m.Allocated)
         os.kill(d.pid, signal.SIGSTOP)
         try:

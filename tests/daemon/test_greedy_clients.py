@@ -7,8 +7,10 @@ import multiprocessing as mp
 import os
 import time
 
+import pytest
 import zmq
 
+from kvd_client import RemoteError
 from kvd_proto import messages as m
 from tests.daemon.test_integration import allocate, keys, scheduler
 from tests.daemon.workers import Spec, Worker
@@ -139,3 +141,33 @@ def test_copy_threads_take_turns_between_clients(monkeypatch):
         assert big_dst.all() and small_dst.all()
     finally:
         engine.close()
+
+
+def test_no_slot_is_allocated_while_a_rank_has_no_worker(daemon):
+    """A scheduler whose workers' Registers were refused (or not made yet) got slots for
+    blocks nobody would copy: each Allocate evicted other blocks and held its slots
+    PENDING until they lapsed. Refused (BUSY) until every rank of the tenant has a
+    worker, allocating nothing; a store by its ticket ends at once."""
+    spec = Spec(daemon.socket, tp_size=2)
+    sched = scheduler(daemon, spec)
+    rank0 = rank1 = None
+    try:
+        for ticket, missing in ((5, "ranks 0, 1:"), (6, "rank 1:")):
+            if ticket == 6:
+                rank0 = Worker(spec)
+            with pytest.raises(RemoteError) as refused:
+                sched.request(m.Allocate(sched.next_req(), keys(8), ticket=ticket))
+            assert refused.value.code == m.Code.BUSY and missing in str(refused.value)
+            assert daemon.status()["blocks"]["pending"] == 0
+        assert rank0 is not None
+        t0 = time.monotonic()
+        _, code, _, nbytes = rank0.store(1, range(8), [], ticket=6)
+        assert (code, nbytes) == (0, 0) and time.monotonic() - t0 < 5  # copying nothing,
+        # at once (not after the pending time)
+        rank1 = Worker(Spec(daemon.socket, tp_size=2, rank=1))
+        assert allocate(sched, keys(8)).size == 8  # every rank has a worker now
+    finally:
+        for w in (rank0, rank1):
+            if w is not None:
+                w.call("exit")
+        sched.close()

@@ -263,6 +263,10 @@ def test_one_tenant_holds_at_most_three_quarters_of_the_pool_pending(service):
         peers[ident] = hello(service, ident)
         assert isinstance(service.handle(ident, peers[ident],
                                          m.Register(2, fingerprint(spec), -1)), m.Registered)
+    hog_mem = make_memory(spec)  # its worker: without one, no slot is allocated at all
+    worker = hello(service, b"hog-worker")
+    assert isinstance(service.handle(b"hog-worker", worker, m.Register(
+        2, fingerprint(spec), 0, host_regions(hog_mem))), m.Registered)
     peer = peers[b"hog"]
     tenant = service.clients[b"hog"].tenant
     quota = service.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4

@@ -359,9 +359,10 @@ def test_the_policy_is_sized_to_the_blocks_the_pool_holds(daemon):
     """Before a model's block size is known the policy counts the pool in 4 KiB slots;
     once its 12 KiB blocks arrive, in what 64 extents of 1 MiB hold of them."""
     assert daemon.status()["blocks"]["capacity"] == (64 << 20) // 4096
-    sched = scheduler(daemon, Spec(daemon.socket))
+    sched, worker = scheduler(daemon, Spec(daemon.socket)), Worker(Spec(daemon.socket))
     try:
         allocate(sched, keys(4))
         assert daemon.status()["blocks"]["capacity"] == 64 * ((1 << 20) // 12288)
     finally:
+        worker.close()
         sched.close()

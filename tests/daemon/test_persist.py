@@ -66,9 +66,10 @@ def test_kill9_then_restart_restores_committed_blocks(daemon_factory):
     assert st["blocks"]["ready"] == 12 and st["tenants"][0]["blocks"] == 12
     # Stored again after the restart: the keys are known, nothing is re-allocated.
     spec = Spec(d.socket, pages=PAGES)
-    sched = scheduler(d, spec)
+    sched, worker = scheduler(d, spec), Worker(spec)
     r = sched.request(m.Allocate(sched.next_req(), ks))
     assert unpack_u32(r.slots).tolist() == [0xFFFFFFFF] * 12
+    worker.close()
     sched.close()
 
 

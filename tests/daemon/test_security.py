@@ -181,7 +181,7 @@ def test_a_client_cannot_read_another_tenants_slot(daemon):
 def test_quota_on_pending_stores(daemon_factory):
     d = daemon_factory(env={"KVD_MAX_PENDING_BLOCKS": "5", "KVD_MAX_LEASED_BLOCKS": "3"})
     spec = Spec(d.socket, pages=(4096,))
-    s = scheduler(d, spec)
+    s, worker = scheduler(d, spec), Worker(spec)
     try:
         r = s.request(m.Allocate(s.next_req(), keys(8)))
         assert r.allocated == 5
@@ -192,6 +192,7 @@ def test_quota_on_pending_stores(daemon_factory):
             s.request(m.Lookup(s.next_req(), keys(4)))
         assert e.value.code == m.Code.BUSY
     finally:
+        worker.close()
         s.close()
 
 

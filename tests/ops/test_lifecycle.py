@@ -20,14 +20,16 @@ import uvloop
 from kvd.access import Access, Peer
 from kvd.cli import ctl
 from kvd.config import Config
+from kvd.engines.host import HostEngine
 from kvd.lifecycle import Lifecycle, config_changes
 from kvd.notify import Notifier
 from kvd.pool import Pool
 from kvd.server import Server
 from kvd.service import Service
+from kvd_client import host_regions
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32
-from tests.daemon.workers import Spec, fingerprint
+from tests.daemon.workers import Spec, fingerprint, make_memory
 from tests.waiting import wait_for
 
 
@@ -86,8 +88,10 @@ def service():
     cfg = Config(pool_size=8 << 20, extent_size=1 << 20, pool_path=path)
     pool = Pool(path, cfg.pool_size, prefault=False)
     sent: list = []
-    svc = Service(cfg, pool, {}, lambda ident, reply: sent.append(reply))
+    engine = HostEngine(lambda *a: None, threads=1)  # (a worker registers host memory)
+    svc = Service(cfg, pool, {"host": engine}, lambda ident, reply: sent.append(reply))
     yield svc
+    engine.close()
     pool.close(unlink=True)
 
 
@@ -114,8 +118,9 @@ def test_a_reload_that_revokes_a_uid_drops_its_connections(service, monkeypatch)
     service.reconfigure(Config(**base, allowed_uids=[4242], admin_uids=[4242]))
     ident = b"other"
     assert isinstance(service.handle(ident, other, m.Hello(1, m.PROTOCOL_VERSION, 1)), m.HelloOk)
-    assert isinstance(service.handle(ident, other, m.Register(2, fingerprint(Spec("x")), -1)),
-                      m.Registered)
+    mem = make_memory(Spec("x"))  # a worker's: without one nothing is allocated
+    assert isinstance(service.handle(ident, other, m.Register(
+        2, fingerprint(Spec("x")), 0, host_regions(mem))), m.Registered)
     keys = [i.to_bytes(8, "little") for i in range(4)]
     assert isinstance(service.handle(ident, other, m.Allocate(3, keys)), m.Allocated)
     assert service.index.pending_blocks == 4
