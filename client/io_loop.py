@@ -539,7 +539,9 @@ class IOLoop:
             os.close(fd)
 
     def daemon_exited(self, fd: int) -> None:
-        run = self.daemons[fd]
+        run = self.daemons.get(fd)
+        if run is None:  # no longer watched (its last Transfer ended meanwhile)
+            return
         self.unwatch_daemons(lambda r: r == run)
         if run != self.c.instance:  # an earlier run: what it was sent is over now
             self.end_transfers(m.Code.CLIENT_GONE, "an earlier kvd run exited", run=run)
