@@ -16,7 +16,11 @@ starts no copy for it. Its Done comes from the daemon; without one, the connecti
 reports it failed only when the daemon's process is gone (a pidfd, where the daemon is
 in our PID namespace) or once deadline + ``EXPIRY_GRACE_NS`` passed. A connection lost
 while the daemon lives (a long pause) keeps its Transfers until then, across the
-reconnect.
+reconnect. Closing is the one exception: ``close()`` tells the daemon Bye (it starts no
+copy for this client and stops those under way) and waits up to ``CLOSE_WAIT_S`` for
+their Dones; a paused daemon's are reported CLIENT_GONE then, unconfirmed, so a caller
+whose memory outlives the connection waits for its Transfers' Dones before closing (as
+the vLLM worker's shutdown does). The daemon stores nothing a departed client sent.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 import zmq
 
-from kvd_client.errors import Timeout, Unavailable
+from kvd_client.errors import KvdClientError, Timeout, Unavailable
 from kvd_client.io_loop import MAX_QUEUED, RECEIVE_WINDOW_S, ClientStats, IOLoop, Shared, log
 from kvd_client.process import leave_compute_cpus
 from kvd_proto import messages as m
@@ -126,6 +130,9 @@ class Connection(Shared):
         """Send now; the future gets the reply (or Unavailable / Timeout / RemoteError).
         (``_wait``: ``request``'s receive window.)"""
         fut: Future = Future()
+        if isinstance(msg, m.Transfer):  # its Done goes to on_done, never to a future
+            fut.set_exception(KvdClientError("a Transfer is sent with send(), not submit()"))
+            return fut
         if not self._up.is_set():
             self.stats.unavailable += 1
             why = self._io.why_down
@@ -213,7 +220,7 @@ class Connection(Shared):
                 fut.set_exception(Unavailable("kvd connection closed"))
                 return True
             if (self._closed or io.phase != "up" or not self._outbox.empty()
-                    or (instance and instance != self.instance)):
+                    or (instance and instance != self.instance) or io.in_flight_req(msg.req)):
                 return False
             if not io.raw_send(msg):
                 return False

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from kvd_client.errors import RemoteError, Timeout, Unavailable
+from kvd_client.errors import KvdClientError, RemoteError, Timeout, Unavailable
 from kvd_client.process import allow_ptrace
 from kvd_proto import messages as m
 
@@ -38,6 +38,9 @@ RECEIVE_WINDOW_S = 0.002
 # When the daemon's process ends, its last Dones may still be inside ZeroMQ's threads:
 # this long for them, so a Transfer it ended is not reported CLIENT_GONE instead.
 EXIT_GRACE_S = 0.05
+# How long closing waits for the Dones of Transfers in flight (the daemon, told Bye, ends
+# them at once); past it, a paused daemon's are reported CLIENT_GONE unconfirmed.
+CLOSE_WAIT_S = 2.0
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # not enums
 # Messages sent from the outbox, and received, per wake-up: callers sending without pause
 # (or a flood of Dones) must not keep the thread from the other and from firing timeouts
@@ -321,6 +324,10 @@ class IOLoop:
             if self.phase != "up" or (not transfers and isinstance(msg, m.Transfer)):
                 self.fail_one(msg, fut, Unavailable("kvd connection lost"))
                 continue
+            if self.in_flight_req(msg.req):  # its reply would end the other one
+                self.fail_one(msg, fut, KvdClientError(
+                    f"request id {msg.req} is in flight already: use next_req()"))
+                continue
             try:
                 sent = self.raw_send(msg)
             except Exception as e:  # noqa: BLE001 - one message that cannot be encoded
@@ -331,6 +338,9 @@ class IOLoop:
                                                     "queue to it is full"))
                 continue
             self.track(msg, fut)
+
+    def in_flight_req(self, req: int) -> bool:
+        return req in self.transfers or req in self.pending
 
     def track(self, msg: m.Request, fut: Future | None) -> None:
         """A message went out: wait for its reply (a call) or its Done (a Transfer)."""
@@ -591,6 +601,12 @@ class IOLoop:
             self.flush_outbox(transfers=False)
             self.raw_send(m.Bye(0))
             linger = 100  # ms for zmq to write it; never an unbounded wait
+            # Told Bye, the daemon starts no copy for us and stops those under way at
+            # their next chunk: their Dones come at once, unless it is paused.
+            end = time.monotonic() + CLOSE_WAIT_S
+            while self.transfers and self.sock is not None and time.monotonic() < end:
+                if self.sock.poll(5):
+                    self.drain()
         self.lost("connection closed", quiet=True)
         self.flush_outbox()  # anything left: ended here (the connection is down now)
         # Closing means this process stops using kvd (an engine shutting down): what is

@@ -152,6 +152,8 @@ class Transfers:
         # Copies in an engine past their deadline and its grace, at the last tick: their
         # clients gave up on them, and an engine that lets them run over is stuck.
         self.overdue = 0
+        # The ticket the Transfer being accepted took its turn of: its slots and gens.
+        self._claimed: tuple[np.ndarray, np.ndarray | None] | None = None
 
     @property
     def stalled(self) -> bool:
@@ -212,9 +214,12 @@ class Transfers:
     def accept(self, client: Client, msg: m.Transfer) -> m.Done | None:
         """A Transfer arrived: its Done now (refused, expired, nothing to copy), or None
         when a copy job runs (``complete`` answers) or it waits for its ticket."""
+        self._claimed = None
         try:
             return self._accept(client, msg)
         except KvdError as e:
+            if self._claimed is not None:  # refused after it took its ticket's turn
+                self._give_back(*self._claimed)
             return self.done(client, msg, e)
         except Exception as e:  # noqa: BLE001 - a bug still ends it once; and parked
             # Transfers released by an Allocate must each get theirs, not lose the rest
@@ -256,6 +261,7 @@ class Transfers:
                 client.parked_bytes += cost
                 return None
             ticketed, gens = claimed
+            self._claimed = claimed
             if len(blocks) != len(ticketed):
                 raise BadIds(f"{len(blocks)} block ids for the {len(ticketed)} keys of "
                              f"ticket {msg.ticket}")
@@ -305,6 +311,16 @@ class Transfers:
             log.exception("engine %s refused transfer %d", client.engine.name, job.event)
             self.complete(job, KvdError(f"internal error: {e}"), 0.0)
         return None
+
+    def _give_back(self, ticketed: np.ndarray, gens: np.ndarray | None) -> None:
+        """A rank's store by ticket was refused: those blocks can never be whole (every
+        rank must store), so the slots still the ticket's go back now, not at their
+        pending time (the rank's turn is taken: its retry is refused too)."""
+        live = ticketed != NO_SLOT
+        held = ticketed[live].astype(np.int64)
+        if gens is not None:
+            held = held[self.index.gen[held] == gens[live]]
+        self.index.abort(held)
 
     def _check_gens(self, slots: np.ndarray, packed: bytes) -> None:
         """A slot-named store names the allocation it was given (``Allocated.gens``):
@@ -392,6 +408,9 @@ class Transfers:
         self.index.unpin(job.slots)
         if job.direction == m.Direction.STORE and job.slots.size:
             self.writing[job.slots] &= ~np.uint64(1 << client.rank)
+            if error is None and client.gone:  # it may have reused the memory meanwhile
+                error = KvdError("its client left while it was copied: not stored",
+                                 m.Code.CLIENT_GONE)
         if error is None and job.direction == m.Direction.STORE:
             # Slots given up while their bytes were copied (the allocation expired, was
             # aborted, or its owner left) store nothing: the Done must not say OK.
