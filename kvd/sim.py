@@ -9,6 +9,7 @@ optimum for reference: it evicts the block whose next reference is farthest away
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import itertools
@@ -16,6 +17,7 @@ import json
 import math
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -109,14 +111,36 @@ def _open(path: str) -> IO[str]:
 
 def _stamp(t: object) -> float:
     """A line's timestamp; NaN when it is none that requests can be ordered by (not a
-    number, or not a finite one: 1e309 and Infinity included)."""
+    number, or not a finite one: 1e309 and Infinity included). An integer stays one:
+    as a float, stamps in nanoseconds (above 2**53) would collapse and lose their order."""
     if isinstance(t, bool) or not isinstance(t, (int, float)):
         return math.nan
     try:
         stamp = float(t)
     except OverflowError:
         return math.nan
-    return stamp if math.isfinite(stamp) else math.nan
+    if not math.isfinite(stamp):
+        return math.nan
+    return t  # type: ignore[return-value]  # (an int orders exactly, and as a float does)
+
+
+def _first_bad_utf8_line(path: str) -> int:
+    """The line of a file's first byte that is not UTF-8 (0: unknown, e.g. stdin): the
+    text reader decodes ahead of the line it hands out, so its own count is early."""
+    if path == "-":
+        return 0
+    try:
+        with open(path, "rb") as f:
+            raw: IO[bytes] = gzip.GzipFile(fileobj=f) if f.peek(2)[:2] == b"\x1f\x8b" else f
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            for n, line in enumerate(raw, 1):
+                try:
+                    decoder.decode(line)
+                except UnicodeDecodeError:
+                    return n
+    except (OSError, EOFError, zlib.error):
+        return 0
+    return 0
 
 
 def load_trace(path: str) -> Trace:
@@ -133,6 +157,8 @@ def load_trace(path: str) -> Trace:
                     continue
                 try:
                     row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise TypeError("a line is one JSON object")
                     hashes = row["hash_ids"]
                     if not isinstance(hashes, list) or not all(
                             isinstance(h, int) and not isinstance(h, bool)
@@ -146,12 +172,16 @@ def load_trace(path: str) -> Trace:
                         from None
                 ids.append(hashes)
                 stamps.append(_stamp(row.get("timestamp")))
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        why = f"not UTF-8 text (near line {n + 1})" if isinstance(e, UnicodeDecodeError) \
-            else getattr(e, "strerror", None) or str(e) or type(e).__name__
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
+        why = (f"not UTF-8 text (line {_first_bad_utf8_line(path) or f'near {n + 1}'})"
+               if isinstance(e, UnicodeDecodeError) else
+               f"not gzip data ({e})" if isinstance(e, zlib.error) else
+               getattr(e, "strerror", None) or str(e) or type(e).__name__)
         raise TraceError(f"{path}: cannot read the trace: {why}") from None
     if not ids:
         raise TraceError(f"{path}: the trace is empty (no request lines)")
+    if not any(ids):
+        raise TraceError(f"{path}: the trace names no block (every hash_ids is empty)")
     if any(math.isnan(t) for t in stamps):  # a line without a numeric timestamp: file order
         return make_trace(ids)
     if any(a > b for a, b in itertools.pairwise(stamps)):  # arrival order (a stable sort)
@@ -198,14 +228,18 @@ class BeladyPolicy(EvictionPolicy):
 
 
 def next_uses(trace: Trace) -> list[int]:
-    """For each reference of the flattened trace, the position of the next one."""
-    flat = [h for r in trace.hash_ids for h in r]
-    nxt = [NEVER] * len(flat)
-    last: dict[int, int] = {}
-    for pos in range(len(flat) - 1, -1, -1):
-        h = flat[pos]
-        nxt[pos] = last.get(h, NEVER)
-        last[h] = pos
+    """For each reference of the flattened trace, the position of the next one in a
+    later request: an id repeated within a request has one slot, inserted at its first
+    place, and its repeat there is no future use (Belady kept such a block for ever)."""
+    nxt = [NEVER] * trace.block_refs
+    later: dict[int, int] = {}  # id -> its first position in the requests after this one
+    pos = len(nxt)
+    for r in reversed(trace.hash_ids):
+        pos -= len(r)
+        for i, h in enumerate(r):
+            nxt[pos + i] = later.get(h, NEVER)
+        for i in range(len(r) - 1, -1, -1):
+            later[r[i]] = pos + i
     return nxt
 
 

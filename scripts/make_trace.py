@@ -217,12 +217,13 @@ def paced(n: int, rng: random.Random) -> list[list[int]]:
 
 
 def mix(n: int, rng: random.Random) -> tuple[list[list[int]], list[int]]:
-    """Each shape's own requests, interleaved at random, ids kept apart per shape."""
+    """Each shape's own requests (``n`` in all, shared out), interleaved by each shape's
+    own clock scaled to one span (ties in shape order), ids kept apart per shape."""
     parts = [chat, sysprompt, docqa, agent, bursty, convo]  # not paced: mix stays as it was
     rows: list[tuple[float, list[int]]] = []
     base = 0
     for k, shape in enumerate(parts):
-        got = shape(n // len(parts), random.Random(rng.random()))
+        got = shape(n // len(parts) + (k < n % len(parts)), random.Random(rng.random()))
         ids, stamps = got if isinstance(got, tuple) else (got, None)
         span = max(stamps) if stamps else len(ids)
         top = 0
@@ -284,12 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=6000)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: at least 1")
     got = SHAPES[args.shape](args.requests, random.Random(args.seed))
     rows, stamps = got if isinstance(got, tuple) else (got, [i * 100 for i in range(len(got))])
-    with open(args.out, "w", encoding="utf-8") as f:
-        for ids, at in zip(rows, stamps):
-            f.write(json.dumps({"timestamp": at, "input_length": 512 * len(ids),
-                                "output_length": 64, "hash_ids": ids}) + "\n")
+    try:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for ids, at in zip(rows, stamps):
+                f.write(json.dumps({"timestamp": at, "input_length": 512 * len(ids),
+                                    "output_length": 64, "hash_ids": ids}) + "\n")
+    except OSError as e:
+        ap.exit(2, f"make_trace.py: cannot write {args.out}: {e.strerror or e}\n")
     return 0
 
 

@@ -96,3 +96,20 @@ def test_longdocs_are_long_and_a_third_are_asked_about_once() -> None:
     once = sum(1 for n in firsts.values() if n == 1)
     assert 0.25 < once / len(rows) < 0.4
     assert len(firsts) - once <= 20  # the reused ones: a small, fixed set
+
+
+@pytest.mark.parametrize("n", [1, 5, 100, 6001])
+def test_mix_writes_the_requests_asked_for(n: int) -> None:
+    rows, stamps = SHAPES["mix"](n, random.Random(3))
+    assert len(rows) == len(stamps) == n  # (n // 6 of each shape: 96 of 100, none of 5)
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["chat", "{dir}/t.jsonl", "--requests", "0"], "at least 1"),
+    (["chat", "{dir}/missing/t.jsonl", "--requests", "5"], "cannot write"),
+    (["chat", "{dir}", "--requests", "5"], "cannot write"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, argv, why) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([a.format(dir=tmp_path) for a in argv])
+    assert e.value.code == 2 and why in capsys.readouterr().err

@@ -115,6 +115,9 @@ def test_cli_rejects_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFix
     ('{"hash_ids": [1, 2]}\n{"timestamp": 3}\n', ":2: not a Mooncake trace line (no hash_ids)"),
     ('{"hash_ids": [1, "x"]}\n', ":1: not a Mooncake trace line (hash_ids must be"),
     ('{"hash_ids": 7}\n', ":1: not a Mooncake trace line"),
+    ('{"hash_ids": []}\n{"hash_ids": []}\n', "names no block"),  # was a silent 0.0
+    ('null\n', ":1: not a Mooncake trace line (a line is one JSON object)"),
+    ('[{"hash_ids": [1]}]\n', ":1: not a Mooncake trace line (a line is one JSON object)"),
 ])
 def test_cli_refuses_an_empty_or_malformed_trace(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, why: str) -> None:
@@ -201,6 +204,10 @@ def test_compressed_bom_crlf_and_stdin_traces_read_like_plain_ones(
     (lambda p: p.write_bytes(__import__("gzip").compress(b'{"hash_ids": [1]}\n' * 99)[:30]),
      "cannot read the trace"),
     (lambda p: p.mkdir(), "cannot read the trace"),
+    (lambda p: p.write_bytes(b"\x1f\x8b\x08\0\0\0\0\0\0\x03not deflate data"),
+     "not gzip data"),  # (zlib's own error: a traceback before)
+    (lambda p: p.write_bytes(b'{"hash_ids": [1]}\n' * 2999 + b'{"x": "\xff"}\n'),
+     "not UTF-8 text (line 3000)"),  # (the reader decodes ahead: "near line 2900")
     (lambda p: p.write_text("[" * 100_000 + "\n"), ":1: not a Mooncake trace line"),
 ])
 def test_unreadable_traces_are_refused_without_a_traceback(
@@ -324,3 +331,19 @@ def test_a_compressed_trace_piped_one_byte_first_is_still_read(tmp_path: Path) -
     out, err = proc.communicate(data[1:], timeout=60)
     assert proc.returncode == 0, err.decode()
     assert json.loads(out)["requests"] == len(TINY)
+
+
+def test_belady_does_not_keep_a_block_for_its_repeat_within_the_request() -> None:
+    """[1, 1] stores block 1 once: its next use was taken to be the repeat beside it,
+    in the past by the time anything is evicted, so Belady kept a dead block and scored
+    below LRU (0 hits to 1 here)."""
+    t = make_trace([[1, 1], [2], [3], [2]])
+    assert replay(t, 2, BELADY).hit_blocks == replay(t, 2, "lru").hit_blocks == 1
+
+
+def test_integer_timestamps_past_float_precision_keep_their_order(tmp_path: Path) -> None:
+    path = tmp_path / "ns.jsonl"
+    base = 1_700_000_000_000_000_000  # nanoseconds: as floats, these three were equal
+    path.write_text("".join(json.dumps({"timestamp": base + d, "hash_ids": [h]}) + "\n"
+                            for d, h in ((3, 1), (1, 2), (5, 3))))
+    assert load_trace(str(path)).hash_ids == [[2], [1], [3]]
