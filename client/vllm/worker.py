@@ -321,6 +321,8 @@ def _unusable(spec: LoadStoreSpec, blocks: np.ndarray, conn: Connection) -> str:
             return "length" if len(spec.slots) else "empty"
     elif len(spec.slots) == 0 or len(spec.slots) != len(blocks):
         return "empty" if len(spec.slots) == 0 else "length"
+    if blocks.size and (blocks.min() < 0 or blocks.max() >= NO_SLOT):  # not a block id
+        return "block_ids"
     if not conn.up:
         return "unavailable"
     if spec.instance != conn.instance:  # slots of another daemon run: never touch them

@@ -519,6 +519,21 @@ def stored_then_hit(mgr, worker, tag: str) -> KvdSlots:
     return mgr.prepare_load(keys, ctx)
 
 
+@pytest.mark.parametrize("bad", [-1, 1 << 32])
+def test_a_block_id_no_uint32_holds_fails_the_load_as_skipped_not_as_a_bug(engine_side, bad):
+    """Packing it raised inside the worker: counted and logged (with a traceback) as a
+    bug of kvd's, where it is an id no engine block has."""
+    mgr, worker, _ = engine_side
+    spec = stored_then_hit(mgr, worker, f"bad{bad}")
+    target = gpu([0, 1])
+    target.block_ids = np.array([0, bad])
+    assert worker.submit_load(9, spec, target)
+    assert [r.job_id for r in worker.get_finished()] == [9]
+    assert worker.take_load_errors() == {0, bad}
+    assert worker.boundary.counts["load.skipped.block_ids"] == 1
+    assert not any(k.endswith(".bug") for k in worker.boundary.counts)
+
+
 def test_a_load_whose_lease_is_gone_fails_and_is_recomputed(engine_side, daemon):
     """prepare_load hands the lease to the workers with the slots; once it is gone
     (released, lapsed, dropped) the daemon refuses the load, which vLLM recomputes."""
