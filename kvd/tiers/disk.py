@@ -147,8 +147,10 @@ class DiskTier(Tier):
         try:
             self._compact()
         except OSError as e:  # serving beats a tidy journal: appends go on, or fail then
+            # (the journal as it was still names every block: reads are served at once)
             log.error("disk tier %s: cannot rewrite its journal at start: %s", path, e)
-            self._fault(e)
+            self.last_error = str(e)
+            self._compact_after = self.clock() + COMPACT_RETRY_S
 
     # ------------------------------------------------------------ restart
     def _restore(self, reused: bool) -> int:
