@@ -154,6 +154,11 @@ class Persistence:
         """A new tenant, or one whose record changed (its block_tokens learned)."""
         self._write([_tenant_rec(t)])
 
+    def tenant_dropped(self) -> None:
+        """A tenant gave up its place (the tenant limit): the journal still names it, and
+        a restart under a higher limit would bring it back; the next tick rewrites it."""
+        self._dirty = True
+
     def drain(self, index: Index) -> None:
         """Write the index's queued commits and drops (before any reply goes out)."""
         if not index.events:

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from kvd.journal import Commit, read_records
+from kvd.journal import Commit, TenantRec, read_records
 from kvd_proto import messages as m
 from kvd_proto.ids import unpack_u32
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
@@ -90,6 +90,30 @@ def test_tenants_dropped_at_the_tenant_limit_do_not_come_back_at_restart(daemon_
     assert sorted(t["model"] for t in d.status()["tenants"]) == ["c", "tiny"]
     hits, got, code = load_digest(d, ks)
     assert (hits, code) == (4, 0) and got == digest
+
+
+
+def test_a_tenant_dropped_at_the_limit_stays_gone_after_a_restart_with_a_higher_one(
+        daemon_factory):
+    """The journal still named a tenant dropped to make room: restarted under a higher
+    limit (nothing over it for the restore to drop), it came back, blockless, taking a
+    place. The drop has the next tick rewrite the journal."""
+    d = daemon_factory(start=False)
+    d.env = {"KVD_PERSIST": "true", "KVD_MAX_TENANTS": "2"}
+    d.start()
+    store(d, 4)
+    for model in ("b", "c"):  # c's Register drops b
+        sched = scheduler(d, Spec(d.socket, model=model, pages=PAGES))
+        sched.close()
+        assert wait_for(lambda: all(t["clients"] == 0 for t in d.status()["tenants"]), 20)
+    assert sorted(t["model"] for t in d.status()["tenants"]) == ["c", "tiny"]
+    assert wait_for(lambda: "b" not in {  # the next tick rewrites the journal
+        r.model for r in read_records(d.pool_path + ".journal") if isinstance(r, TenantRec)},
+        10)
+    d.kill()
+    d.env["KVD_MAX_TENANTS"] = "8"
+    d.start()
+    assert sorted(t["model"] for t in d.status()["tenants"]) == ["c", "tiny"]
 
 
 def test_a_journal_removed_while_running_is_written_again(daemon_factory):
