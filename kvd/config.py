@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -231,11 +232,22 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return raw
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def read_toml(file: str) -> dict[str, Any]:
-    """A TOML file's table; ConfigError for every way it can fail to be one."""
+    """A TOML file's table; ConfigError for every way it can fail to be one. Only a
+    regular file of at most ``MAX_CONFIG_BYTES``: a reload reads it on the daemon's
+    event loop, and a FIFO (or /dev/zero) would hold every client there."""
     try:
-        with open(file, "rb") as f:
-            return tomllib.load(f)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO's open would wait)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"config file {file} is not a regular file")
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {file} is over {MAX_CONFIG_BYTES >> 20} MiB")
+        return tomllib.loads(data.decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read config file {file}: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

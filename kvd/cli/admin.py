@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from typing import Any
 
 import msgspec
@@ -67,6 +68,8 @@ def check_socket(path: str) -> None:
     except PermissionError:
         raise Refused(f"permission denied reaching {path}: the directory is not "
                       "accessible to you (join the kvd group)") from None
+    except OSError as e:  # a file as a directory, a symlink loop, a name too long
+        raise Unreachable(f"cannot reach a socket at {path}: {e.strerror or e}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise Unreachable(f"{path} is not a socket")
     if not os.access(path, os.R_OK | os.W_OK):
@@ -92,7 +95,10 @@ class AdminClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
-        self._sock.connect(f"ipc://{self.path}")
+        try:
+            self._sock.connect(f"ipc://{self.path}")
+        except zmq.ZMQError as e:  # (a path longer than a unix socket's name can be)
+            raise Unreachable(f"cannot connect to {self.path}: {e}") from None
         hello = self._roundtrip(m.Hello(self._next(), m.PROTOCOL_VERSION, os.getpid(),
                                         self.name))
         assert isinstance(hello, m.HelloOk)
@@ -106,9 +112,9 @@ class AdminClient:
         sock = self._sock
         assert sock is not None
         sock.send(m.encode(msg))
-        deadline_ms = int(self.timeout * 1000)
+        deadline = time.monotonic() + self.timeout  # for the reply, whatever else comes
         while True:
-            if not sock.poll(deadline_ms):
+            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 raise Unreachable(f"kvd is not answering on {self.path} "
                                   f"(no reply in {self.timeout:g}s; stale socket or hung "
                                   "daemon? see `systemctl status kvd`)")

@@ -135,8 +135,9 @@ def _client(args: argparse.Namespace) -> AdminClient:
     return AdminClient(args.socket_path, args.timeout)
 
 
-def _out(args: argparse.Namespace, doc: Any, text: str) -> int:
-    print(json.dumps(doc, indent=2) if args.json else text)
+def _out(args: argparse.Namespace, doc: Any, text: str | Callable[[], str]) -> int:
+    """``text``: made only without --json (what --json prints needs no rendering)."""
+    print(json.dumps(doc, indent=2) if args.json else text if isinstance(text, str) else text())
     return EXIT_OK
 
 
@@ -144,19 +145,19 @@ def _out(args: argparse.Namespace, doc: Any, text: str) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as c:
         st = fetch_status(c)
-    return _out(args, st, render.status_text(st))
+    return _out(args, st, lambda: render.status_text(st))
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
     with _client(args) as c:
         st = fetch_status(c)
-    return _out(args, {"tenants": st["tenants"]}, render.tenants_table(st["tenants"]))
+    return _out(args, {"tenants": st["tenants"]}, lambda: render.tenants_table(st["tenants"]))
 
 
 def cmd_clients(args: argparse.Namespace) -> int:
     with _client(args) as c:
         st = fetch_status(c)
-    return _out(args, {"clients": st["clients"]}, render.clients_table(st["clients"]))
+    return _out(args, {"clients": st["clients"]}, lambda: render.clients_table(st["clients"]))
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
@@ -294,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return EXIT_OK
+    except BrokenPipeError:  # the reader left (`kvdctl status | head -1`): what it took went out
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return EXIT_OK
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        # An answer of another shape than this kvdctl reads (a kvd of another version).
+        print(f"kvdctl: kvd's answer on {args.socket_path} is not what this kvdctl reads "
+              f"({type(e).__name__}: {e}): a kvd of another version?", file=sys.stderr)
+        return EXIT_FAIL
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, client: AdminClient) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
+    sock.setsockopt(zmq.SUBSCRIBE, args.topic.encode(errors="surrogateescape"))
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:  # a malformed --endpoint: say so, not a traceback
@@ -91,7 +91,12 @@ def run(args: argparse.Namespace, client: AdminClient) -> int:
             if len(frames) != 3:
                 continue
             topic, seq = frames[0].decode(errors="replace"), int.from_bytes(frames[1], "big")
-            batch = decode(frames[2])
+            try:
+                batch = decode(frames[2])
+            except msgspec.DecodeError as e:  # another publisher's (or version's) payload
+                print(f"kvdctl: a batch on {topic!r} (seq {seq}) is not a KV event batch: "
+                      f"{e}", file=sys.stderr)
+                return EXIT_FAIL
             # The sequence is the daemon's, across its topics: with a topic filter a jump
             # may be other topics' batches, so gaps are told only for the whole stream.
             gap = (seq - last - 1 if last >= 0 and seq > last + 1 else 0) \

@@ -140,3 +140,21 @@ def test_a_key_given_in_both_spellings_is_refused(tmp_path):
         load(str(f), {})
     f.write_text("max-lease-ms = 5\n")
     assert load(str(f), {})[0].max_lease_ms == 5
+
+
+def test_a_config_file_that_is_no_regular_file_is_refused_at_once(tmp_path):
+    """A reload reads the file on the event loop: a FIFO held every client until someone
+    wrote to it (and /dev/zero would be read for ever)."""
+    import os
+    import time
+
+    from kvd.config import read_toml
+    from kvd.errors import ConfigError
+
+    fifo = tmp_path / "kvd.toml"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero"):
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="not a regular file"):
+            read_toml(path)
+        assert time.monotonic() - t0 < 2

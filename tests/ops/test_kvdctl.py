@@ -299,3 +299,108 @@ def test_health_is_unhealthy_while_a_gpu_context_is_lost_and_live_stays_ok():
     ok, why = ctl.health_of(st)
     assert not ok and "restart kvd" in why
     assert ctl.health_of(st, live=True)[0]
+
+
+BAD_DOC = json.dumps({"pool": {}, "counters": {}, "blocks": {}, "clients": [{}],
+                      "tenants": [{}]}).encode()  # the top keys, none of what is in them
+
+
+@pytest.mark.parametrize("command", ["status", "tenants", "clients", "health", "flush"])
+def test_a_status_of_another_shape_is_one_line_and_exit_1(tmp_path, capsys, command):
+    """A kvd of another version answers with the keys kvdctl looks for, not what is in
+    them: a KeyError or TypeError traceback from the rendering."""
+    path = str(tmp_path / "other.sock")
+    t, done = not_kvd(path, _hello_then(lambda req: m.StatsOk(req, BAD_DOC)))
+    try:
+        rc, out, err = run(capsys, "--socket", path, "--timeout", "2", command)
+    finally:
+        done.set()
+        t.join(5)
+    text = (out + err).strip()
+    assert rc == 1 and "Traceback" not in text and len(text.splitlines()) == 1, text
+
+
+def test_status_json_prints_a_status_of_another_shape_as_it_came(tmp_path, capsys):
+    path = str(tmp_path / "other.sock")
+    t, done = not_kvd(path, _hello_then(lambda req: m.StatsOk(req, BAD_DOC)))
+    try:
+        rc, out, _ = run(capsys, "--socket", path, "--timeout", "2", "status", "--json")
+    finally:
+        done.set()
+        t.join(5)
+    assert rc == 0 and json.loads(out) == json.loads(BAD_DOC)
+
+
+def test_replies_to_other_requests_do_not_hold_kvdctl_past_its_timeout(tmp_path, capsys):
+    """The wait for the reply started again at each message that was not it: a peer
+    sending such messages every 200 ms held kvdctl (and a health probe) for ever."""
+    path = str(tmp_path / "chatty.sock")
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(f"ipc://{path}")
+    done = threading.Event()
+
+    def serve() -> None:
+        ident = None
+        while not done.is_set():
+            if sock.poll(200):
+                ident, data = sock.recv_multipart()
+                msg = m.decode_request(data)
+                if isinstance(msg, m.Hello):
+                    sock.send_multipart([ident, m.encode(m.HelloOk(
+                        msg.req, m.PROTOCOL_VERSION, os.getpid(), "x", 1))])
+            elif ident is not None:
+                sock.send_multipart([ident, m.encode(m.Ok(999_999, 0))])
+        sock.close(linger=0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        rc, _, err = run(capsys, "--socket", path, "--timeout", "1", "status")
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+        t.join(5)
+    assert rc == 3 and "not answering" in err and took < 4, (rc, err, took)
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: (d / "file").write_text("") or str(d / "file" / "kvd.sock"),  # ENOTDIR
+    lambda d: os.symlink("loop", d / "loop") or str(d / "loop"),  # ELOOP
+    lambda d: str(d / ("x" * 300)),  # ENAMETOOLONG
+])
+def test_a_socket_path_that_cannot_be_one_is_one_line_and_exit_3(tmp_path, capsys, make):
+    rc, out, err = run(capsys, "--socket", make(tmp_path), "health")
+    text = (out + err).strip()
+    assert rc == 3 and "Traceback" not in text and len(text.splitlines()) == 1, text
+
+
+def test_a_socket_path_longer_than_a_socket_name_is_one_line_and_exit_3(tmp_path, capsys):
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    path = str(deep / "kvd.sock")
+    cwd = os.getcwd()
+    os.chdir(deep)
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind("kvd.sock")  # (bound by a relative name: the full one is too long)
+            s.listen()
+            rc, out, err = run(capsys, "--socket", path, "--timeout", "1", "status")
+    finally:
+        os.chdir(cwd)
+    text = (out + err).strip()
+    assert rc == 3 and "Traceback" not in text and len(text.splitlines()) == 1, text
+
+
+def test_a_reader_that_leaves_early_is_no_traceback(daemon):
+    """`kvdctl status --json | head -c1`, the reader gone before the output: a
+    BrokenPipeError traceback, exit 1."""
+    read, write = os.pipe()
+    os.close(read)  # nobody reads: the first write fails with EPIPE
+    try:
+        got = subprocess.run([sys.executable, "-m", "kvd.cli.ctl", "--socket", daemon.socket,
+                              "status", "--json"], stdout=write, stderr=subprocess.PIPE,
+                             text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert got.returncode == 0 and got.stderr == "", got.stderr
