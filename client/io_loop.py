@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
 import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass

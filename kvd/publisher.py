@@ -11,8 +11,9 @@ high-water mark, so nobody could count what a slow subscriber lost. Here a send 
 would exceed some subscriber's high-water mark fails at once (never blocks); the batch
 is counted as dropped and sent again in lossy mode, so every other subscriber still
 gets it. ZeroMQ then drops for that subscriber without a word until it drains, so the
-count is of the times a subscriber fell behind, not of the batches it missed. A stuck or absent subscriber thus never slows the daemon: sends are
-non-blocking, and with no subscriber a batch goes nowhere.
+count is of the times a subscriber fell behind, not of the batches it missed. A stuck
+or absent subscriber thus never slows the daemon: sends are non-blocking, and with no
+subscriber a batch goes nowhere.
 
 Runs on the event loop (the server services the replay socket from ``loop.add_reader``).
 """

@@ -94,9 +94,9 @@ def make_trace(hash_ids: Sequence[Sequence[int]],
                  list(timestamps) if timestamps is not None else [])
 
 
-def _open(path: str) -> IO[str]:
-    """The trace as text: a file (gzip-compressed or not, a UTF-8 BOM allowed) or, for
-    ``-``, standard input."""
+def _open_bytes(path: str) -> IO[bytes]:
+    """The trace's bytes, decompressed: a file (gzip-compressed or not) or, for ``-``,
+    standard input."""
     raw: IO[bytes]
     if path == "-":  # whole: a pipe's first read may be one byte, too few to tell gzip by
         data = sys.stdin.buffer.read()
@@ -106,7 +106,12 @@ def _open(path: str) -> IO[str]:
         raw, head = file, file.peek(2)[:2]
     if head == b"\x1f\x8b":
         raw = gzip.GzipFile(fileobj=raw)  # type: ignore[assignment]
-    return io.TextIOWrapper(raw, encoding="utf-8-sig")
+    return raw
+
+
+def _open(path: str) -> IO[str]:
+    """The trace as text (a UTF-8 BOM allowed)."""
+    return io.TextIOWrapper(_open_bytes(path), encoding="utf-8-sig")
 
 
 def _stamp(t: object) -> float:
@@ -121,17 +126,16 @@ def _stamp(t: object) -> float:
         return math.nan
     if not math.isfinite(stamp):
         return math.nan
-    return t  # type: ignore[return-value]  # (an int orders exactly, and as a float does)
+    return t  # (an int orders exactly, and among floats as its value)
 
 
 def _first_bad_utf8_line(path: str) -> int:
     """The line of a file's first byte that is not UTF-8 (0: unknown, e.g. stdin): the
     text reader decodes ahead of the line it hands out, so its own count is early."""
-    if path == "-":
+    if path == "-":  # (read already)
         return 0
     try:
-        with open(path, "rb") as f:
-            raw: IO[bytes] = gzip.GzipFile(fileobj=f) if f.peek(2)[:2] == b"\x1f\x8b" else f
+        with _open_bytes(path) as raw:
             decoder = codecs.getincrementaldecoder("utf-8")()
             for n, line in enumerate(raw, 1):
                 try:

@@ -63,6 +63,15 @@ def keys(tag: str, n: int) -> list[bytes]:
     return [f"{tag}-{i}".encode().ljust(36, b"\0") for i in range(n)]
 
 
+def stored(w: Member, tag: str) -> list[bytes]:
+    """Every block of ``w`` stored under keys of ``tag``: the keys."""
+    ks = keys(tag, len(w.mem))
+    slots = unpack_u32(w.call(m.Allocate, keys=ks).slots)
+    assert w.send(1, m.Direction.STORE, range(len(ks)), slots)
+    assert w.done_of(1).code == m.Code.OK
+    return ks
+
+
 def test_a_store_whose_client_closed_while_it_was_copied_is_never_served_changed(
         daemon_factory):
     """A worker closes while its store is copied, and its on_done reuses the memory.
@@ -131,10 +140,7 @@ def test_closing_during_a_load_writes_nothing_after_its_done(daemon_factory):
     d = daemon_factory(*BIG)
     w = Member(d.socket, "close-load", blocks=128, fill=0x22)
     try:
-        ks = keys("load", 128)
-        slots = unpack_u32(w.call(m.Allocate, keys=ks).slots)
-        assert w.send(1, m.Direction.STORE, range(128), slots)
-        assert w.done_of(1).code == m.Code.OK
+        ks = stored(w, "load")
         for trial in range(3):
             hit = w.call(m.Lookup, keys=ks)
             assert hit.hits == 128
@@ -157,11 +163,7 @@ def test_a_request_id_in_flight_is_refused_to_a_second_message(daemon_factory):
     d = daemon_factory(*BIG)
     w = Member(d.socket, "dup-req", blocks=128, fill=0x33)
     try:
-        ks = keys("dup", 128)
-        slots = unpack_u32(w.call(m.Allocate, keys=ks).slots)
-        assert w.send(1, m.Direction.STORE, range(128), slots)
-        assert w.done_of(1).code == m.Code.OK
-        hit = w.call(m.Lookup, keys=ks)
+        hit = w.call(m.Lookup, keys=stored(w, "dup"))
         req = w.conn.next_req()
         assert w.send(2, m.Direction.LOAD, range(128), unpack_u32(hit.slots), req=req)
         w.send(3, m.Direction.LOAD, [0], unpack_u32(hit.slots)[:1], req=req)

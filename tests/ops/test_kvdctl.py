@@ -193,6 +193,17 @@ def not_kvd(path: str, answer) -> tuple[threading.Thread, threading.Event]:
     return t, done
 
 
+def run_against(tmp_path, capsys, answer, *argv: str) -> tuple[int, str, str]:
+    """kvdctl run against a peer answering with ``answer`` (see ``not_kvd``)."""
+    path = str(tmp_path / "other.sock")
+    t, done = not_kvd(path, answer)
+    try:
+        return run(capsys, "--socket", path, "--timeout", "2", *argv)
+    finally:
+        done.set()
+        t.join(5)
+
+
 def _hello_then(other):
     def answer(msg):
         if isinstance(msg, m.Hello):
@@ -213,13 +224,7 @@ def _hello_then(other):
 def test_a_peer_that_is_not_kvd_is_one_line_and_exit_1(tmp_path, capsys, answer, command,
                                                        why):
     """Each was a traceback (an assert, a KeyError, a JSON error) from kvdctl."""
-    path = str(tmp_path / "other.sock")
-    t, done = not_kvd(path, answer)
-    try:
-        rc, out, err = run(capsys, "--socket", path, "--timeout", "2", command)
-    finally:
-        done.set()
-        t.join(5)
+    rc, out, err = run_against(tmp_path, capsys, answer, command)
     text = (out + err).strip()
     assert rc == 1 and "Traceback" not in text and len(text.splitlines()) == 1, text
     assert "does not answer as kvd does" in text and why in text, text
@@ -303,31 +308,20 @@ def test_health_is_unhealthy_while_a_gpu_context_is_lost_and_live_stays_ok():
 
 BAD_DOC = json.dumps({"pool": {}, "counters": {}, "blocks": {}, "clients": [{}],
                       "tenants": [{}]}).encode()  # the top keys, none of what is in them
+BAD_STATUS = _hello_then(lambda req: m.StatsOk(req, BAD_DOC))
 
 
 @pytest.mark.parametrize("command", ["status", "tenants", "clients", "health", "flush"])
 def test_a_status_of_another_shape_is_one_line_and_exit_1(tmp_path, capsys, command):
     """A kvd of another version answers with the keys kvdctl looks for, not what is in
     them: a KeyError or TypeError traceback from the rendering."""
-    path = str(tmp_path / "other.sock")
-    t, done = not_kvd(path, _hello_then(lambda req: m.StatsOk(req, BAD_DOC)))
-    try:
-        rc, out, err = run(capsys, "--socket", path, "--timeout", "2", command)
-    finally:
-        done.set()
-        t.join(5)
+    rc, out, err = run_against(tmp_path, capsys, BAD_STATUS, command)
     text = (out + err).strip()
     assert rc == 1 and "Traceback" not in text and len(text.splitlines()) == 1, text
 
 
 def test_status_json_prints_a_status_of_another_shape_as_it_came(tmp_path, capsys):
-    path = str(tmp_path / "other.sock")
-    t, done = not_kvd(path, _hello_then(lambda req: m.StatsOk(req, BAD_DOC)))
-    try:
-        rc, out, _ = run(capsys, "--socket", path, "--timeout", "2", "status", "--json")
-    finally:
-        done.set()
-        t.join(5)
+    rc, out, _ = run_against(tmp_path, capsys, BAD_STATUS, "status", "--json")
     assert rc == 0 and json.loads(out) == json.loads(BAD_DOC)
 
 
