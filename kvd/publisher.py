@@ -13,7 +13,8 @@ is counted as dropped and sent again in lossy mode, so every other subscriber st
 gets it. ZeroMQ then drops for that subscriber without a word until it drains, so the
 count is of the times a subscriber fell behind, not of the batches it missed. A stuck
 or absent subscriber thus never slows the daemon: sends are non-blocking, and with no
-subscriber a batch goes nowhere.
+subscriber a batch goes nowhere. XPUB also shows us every (re)subscription: a router that
+reconnects (after a daemon restart, say) is sent a heartbeat, so it sees the sequence's gap.
 
 Runs on the event loop (the server services the replay socket from ``loop.add_reader``).
 """
@@ -61,6 +62,7 @@ class PublisherCounters:
     replay_requests: int = 0
     replayed_batches: int = 0
     bad_replay_requests: int = 0
+    heartbeats: int = 0  # empty batches sent because a subscriber (re)joined
 
 
 class Publisher:
@@ -77,6 +79,10 @@ class Publisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
         self.pub.setsockopt(zmq.XPUB_NODROP, 1)
+        # Every subscription reaches us, a second router's on a topic already followed too.
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        # Called when a subscription arrives (KvEvents: a heartbeat is due).
+        self.on_join: Callable[[], None] | None = None
         # A subscription is a topic prefix: a peer that sends more is dropped, before
         # its message (and the prefix it would keep in the subscription trie) is held.
         self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)
@@ -110,7 +116,7 @@ class Publisher:
 
     def publish(self, batches: list[tuple[bytes, bytes, int]]) -> None:
         """Send (topic, payload, event count) batches, in order, one sequence each."""
-        self._drain_subscriptions()
+        self.drain_subscriptions()
         pub, buf = self.pub, self._buffer
         c = self.counters
         for topic, payload, n_events in batches:
@@ -132,14 +138,22 @@ class Publisher:
             c.batches += 1
             c.events += n_events
 
-    def _drain_subscriptions(self) -> None:
-        """XPUB queues (un)subscription messages; nobody needs them, so read them out."""
-        pub = self.pub
+    @property
+    def fd(self) -> int:
+        """Readable (edge-triggered) when subscriptions wait: call ``drain_subscriptions``."""
+        return self.pub.getsockopt(zmq.FD)
+
+    def drain_subscriptions(self) -> None:
+        """Read out XPUB's queued (un)subscription messages; a subscription calls ``on_join``."""
+        pub, joined = self.pub, False
         while pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                pub.recv(flags=zmq.NOBLOCK)
+                msg = pub.recv(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
+            joined = joined or msg[:1] == b"\x01"
+        if joined and self.on_join is not None:
+            self.on_join()
 
     @property
     def replay_fd(self) -> int | None:
@@ -219,7 +233,7 @@ class Publisher:
                 "dropped_batches": c.dropped_batches,
                 "replay_requests": c.replay_requests,
                 "bad_replay_requests": c.bad_replay_requests,
-                "replayed_batches": c.replayed_batches}
+                "replayed_batches": c.replayed_batches, "heartbeats": c.heartbeats}
 
     def close(self, linger_ms: int = 0) -> None:
         self.pub.close(linger=linger_ms)
@@ -293,6 +307,19 @@ class KvEvents:
             if evs:
                 batches.append((topic, self._encode(KVEventBatch(ts, evs)), len(evs)))
         self.publisher.publish(batches)
+
+    def heartbeat(self) -> None:
+        """An empty batch on each topic this run has spoken on. Sent when a subscriber
+        (re)joins: a router back after this daemon restarted missed the run's opening
+        batch (AllBlocksCleared and what it kept); the heartbeat's sequence shows it the
+        gap, and it replays. Without one an idle daemon published nothing, and the
+        router kept its view of the previous run."""
+        self.flush()  # what is queued goes first
+        if not self._opened:
+            return
+        payload = self._encode(KVEventBatch(time.time(), []))
+        self.publisher.publish([(t, payload, 0) for t in sorted(self._opened)])
+        self.publisher.counters.heartbeats += 1
 
     def _shared_drops(self, events: list[tuple]) -> list[tuple]:
         """Without the drops of blocks that another tenant on the same topic still

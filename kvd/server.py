@@ -39,6 +39,11 @@ from kvd_proto import messages as m
 log = logging.getLogger("kvd.server")
 TICK_S = 0.25
 STOP_LINGER_MS = 1000  # how long a stop waits for its last replies to leave
+# A (re)subscription's heartbeat leaves after this, with the others of a burst of them,
+# and at most once per HEARTBEAT_EVERY_S (a subscription flood must not fill the replay
+# buffer with empty batches).
+HEARTBEAT_DELAY_S = 0.05
+HEARTBEAT_EVERY_S = 1.0
 # Per connection: replies and Dones queued for a client that does not read them (then it
 # is dropped: it registers again once it reads), and messages taken in ahead of the loop
 # (then its sends wait, and its own queue of 1,000 fills: calls fail at once there).
@@ -119,6 +124,9 @@ class Server:
         self.kv_events = self.service.kv_events
         if self.kv_events is not None:  # one batch per loop iteration, after its work
             self.kv_events.on_pending = lambda: self.loop.call_soon(self._publish)
+            self.kv_events.publisher.on_join = self._heartbeat_due
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._last_heartbeat = -HEARTBEAT_EVERY_S
         self._pidfds: dict[int, int] = {}  # pid -> pidfd
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -355,6 +363,24 @@ class Server:
         except Exception:  # noqa: BLE001 - events are not the data path
             log.exception("publishing KV events failed")
 
+    def _heartbeat_due(self) -> None:
+        if self._heartbeat is None and not self.stopping.is_set():
+            at = max(self.loop.time() + HEARTBEAT_DELAY_S,
+                     self._last_heartbeat + HEARTBEAT_EVERY_S)
+            self._heartbeat = self.loop.call_at(at, self._send_heartbeat)
+
+    def _send_heartbeat(self) -> None:
+        self._heartbeat, self._last_heartbeat = None, self.loop.time()
+        try:
+            assert self.kv_events is not None
+            self.kv_events.heartbeat()
+        except Exception:  # noqa: BLE001 - events are not the data path
+            log.exception("publishing a KV events heartbeat failed")
+
+    def _subscriptions(self) -> None:
+        assert self.kv_events is not None
+        self.kv_events.publisher.drain_subscriptions()
+
     def _service_replay(self) -> None:
         assert self.kv_events is not None
         if self.kv_events.publisher.service_replay():  # more waiting: after other work
@@ -376,6 +402,9 @@ class Server:
             serve_signal(self.loop, sig, self.lifecycle.request_stop)
         self.loop_has_signals = True
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self._drain)
+        if self.kv_events is not None:
+            self.loop.add_reader(self.kv_events.publisher.fd, self._subscriptions)
+            self._subscriptions()
         replay_fd = self.kv_events.publisher.replay_fd if self.kv_events else None
         if replay_fd is not None:
             assert self.kv_events is not None
@@ -398,7 +427,10 @@ class Server:
             self._ticking.cancel()
         self.lifecycle.close()
         self.loop.remove_reader(self.sock.getsockopt(zmq.FD))
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self.kv_events is not None:
+            self.loop.remove_reader(self.kv_events.publisher.fd)
             if self.kv_events.publisher.replay_fd is not None:
                 self.loop.remove_reader(self.kv_events.publisher.replay_fd)
             self.kv_events.close(clear=self.service.persist is None)

@@ -101,7 +101,10 @@ def run(args: argparse.Namespace, client: AdminClient) -> int:
             # may be other topics' batches, so gaps are told only for the whole stream.
             gap = (seq - last - 1 if last >= 0 and seq > last + 1 else 0) \
                 if not args.topic else None
-            last, n = seq, n + 1
+            last = seq
+            if not batch.events:  # a heartbeat: it says only where the sequence is
+                continue
+            n += 1
             if args.json:
                 events = [msgspec.to_builtins(e, builtin_types=(bytes,)) for e in batch.events]
                 print(json.dumps({"topic": topic, "seq": seq, "ts": batch.ts, "missed": gap,

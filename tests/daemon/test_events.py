@@ -21,6 +21,7 @@ from kvd_client.errors import RemoteError
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, unpack_u32
 from tests.daemon.workers import Spec, Worker, fingerprint
+from tests.waiting import wait_for
 
 EVENTS = ("--events-endpoint", "tcp://127.0.0.1:0",
           "--events-replay-endpoint", "tcp://127.0.0.1:0")
@@ -50,14 +51,25 @@ class Sub:
         self.sock.connect(endpoint)
         time.sleep(0.3)  # the subscription reaches the publisher (slow joiner)
 
-    def recv(self, timeout: float = 5.0) -> tuple[bytes, int, bytes]:
-        assert self.sock.poll(int(timeout * 1000)), "no event batch arrived"
-        topic, seq, payload = self.sock.recv_multipart()
-        assert len(seq) == 8
-        return topic, int.from_bytes(seq, "big"), payload
+    def recv(self, timeout: float = 5.0, heartbeats: bool = False) -> tuple[bytes, int, bytes]:
+        """The next batch; heartbeats (no events: this subscription's, say) are skipped
+        unless asked for."""
+        while True:
+            assert self.sock.poll(int(timeout * 1000)), "no event batch arrived"
+            topic, seq, payload = self.sock.recv_multipart()
+            assert len(seq) == 8
+            if heartbeats or decode(payload).events:
+                return topic, int.from_bytes(seq, "big"), payload
 
     def quiet(self, timeout: float = 0.3) -> bool:
-        return not self.sock.poll(int(timeout * 1000))
+        """No batch but heartbeats for ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000)):
+                return True
+            if decode(self.sock.recv_multipart()[2]).events:
+                return False
+        return True
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -222,6 +234,69 @@ def test_blocks_announced_again_keep_their_parents(daemon_factory):
         ([published(k) for k in ks], None), ([published(k) for k in other], None)])
     # With the tokens per block the engine registered (they were 0 until it came back).
     assert {e.block_size for e in events if isinstance(e, BlockStored)} == sizes
+
+
+def test_a_router_back_after_a_warm_restart_is_told_of_the_gap_while_the_daemon_idles(
+        daemon_factory):
+    """The restarted daemon's opening batch (AllBlocksCleared and the journal's blocks)
+    left before the router came back; the daemon stays idle. The router's subscription
+    gets a heartbeat, whose sequence shows the gap, and the router replays the opening
+    batch (before: nothing came until an engine stored again)."""
+    d = daemon_factory(*EVENTS, start=False)
+    d.env.update({"KVD_EVENTS_NODE": "node-a", "KVD_PERSIST": "true"})
+    d.start()
+    ks = [key(i) for i in range(3)]
+    sub = Sub(endpoints(d)[0])
+    eng = Engine(d.socket)
+    try:
+        eng.store(ks)
+        _, last, _ = sub.recv()
+    finally:
+        eng.close()
+        sub.close()
+    d.kill()
+    d.start()
+    pub, rep = endpoints(d)
+    assert wait_for(lambda: d.status()["events"]["batches"] >= 1, 10)  # the opening one
+    sub = Sub(pub)  # the router is back, later
+    try:
+        _, seq, payload = sub.recv(heartbeats=True)
+        assert decode(payload).events == [] and seq > last + 1
+        opening = decode(replay(rep, last + 1)[0][2]).events  # what the router does
+        assert opening[0] == AllBlocksCleared()
+        assert chain_stored(opening) == [([published(k) for k in ks], None)]
+        assert d.status()["events"]["heartbeats"] >= 1
+    finally:
+        sub.close()
+
+
+def test_every_router_that_joins_gets_a_heartbeat_and_a_flood_of_joins_few(events_daemon):
+    """A second router on a topic already followed is told too (XPUB shows duplicate
+    subscriptions); subscriptions in a loop get at most one heartbeat a second."""
+    pub, _ = endpoints(events_daemon)
+    eng = Engine(events_daemon.socket)
+    first = Sub(pub)
+    try:
+        eng.store([key(1)])
+        first.recv()
+        second = Sub(pub)
+        try:
+            _, _, payload = second.recv(heartbeats=True)
+            assert decode(payload).events == []
+        finally:
+            second.close()
+        before = events_daemon.status()["events"]["heartbeats"]
+        started = time.monotonic()
+        for _ in range(50):
+            first.sock.setsockopt(zmq.UNSUBSCRIBE, b"kv@")
+            first.sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
+            time.sleep(0.02)
+        time.sleep(0.3)
+        sent = events_daemon.status()["events"]["heartbeats"] - before
+        assert 1 <= sent <= time.monotonic() - started + 2
+    finally:
+        eng.close()
+        first.close()
 
 
 def test_blocks_promoted_from_disk_name_the_block_before_them(daemon_factory, tmp_path):
@@ -579,6 +654,30 @@ def test_kvdctl_events_follows_the_stream(events_daemon, capsys):
         assert stored["type"] == "BlockStored"
         assert stored["block_hashes"] == [published(key(1)), published(key(2))]
         assert lines[1]["events"] == [{"type": "AllBlocksCleared"}]
+    finally:
+        eng.close()
+
+
+def test_kvdctl_events_neither_prints_nor_counts_heartbeats(events_daemon, capsys):
+    """Its own subscription, on a topic already spoken on, brings a heartbeat."""
+    import json
+
+    s = ["--socket", events_daemon.socket]
+    eng = Engine(events_daemon.socket)
+    results: list[int] = []
+    t = threading.Thread(target=lambda: results.append(
+        ctl.main([*s, "events", "--json", "--count", "1"])))
+    try:
+        eng.store([key(1)])
+        t.start()
+        assert wait_for(lambda: events_daemon.status()["events"]["heartbeats"] >= 1, 10)
+        eng.store([key(2)])
+        t.join(10)
+        assert results == [0]
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()
+                 if x.startswith("{\"topic")]
+        assert len(lines) == 1 and lines[0]["missed"] == 0
+        assert [e["block_hashes"] for e in lines[0]["events"]] == [[published(key(2))]]
     finally:
         eng.close()
 
