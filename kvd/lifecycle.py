@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -99,6 +100,8 @@ class Lifecycle:
         self._hurry = False
         self._last_counts = (0, 0)  # (lookup_keys, hit_blocks) at the last status line
         self._timers: dict[str, asyncio.TimerHandle] = {}  # chain name -> next call
+        self._reading = False  # a reload's read runs on its thread
+        self._read_again = False  # a SIGHUP came meanwhile
 
     # ------------------------------------------------------------ start-up
     @contextlib.contextmanager
@@ -178,26 +181,56 @@ class Lifecycle:
 
     # ------------------------------------------------------------ SIGHUP
     def reload(self) -> None:
-        """Re-read file, environment and flags; apply what can change live; log it."""
+        """Re-read file, environment and flags; apply what can change live; log it.
+
+        The reading runs on a thread of its own: a configuration file on a network
+        mount that hangs must not hold the event loop (every client) with it. What
+        was read is applied on the loop; SIGHUPs while a read runs make one more."""
         if self.reload_config is None:
             log.warning("SIGHUP: reload not available (no configuration source)")
             return
         if self.phase != "serving":  # stopping: no RELOADING/READY after STOPPING
             log.warning("SIGHUP while %s: not reloaded", self.phase)
             return
+        if self._reading:
+            log.info("SIGHUP while the configuration is being read: read again after it")
+            self._read_again = True
+            return
+        self._reading = True
         self.notifier.reloading()
+        threading.Thread(target=self._read, name="kvd-reload", daemon=True).start()
+
+    def _read(self) -> None:
+        """On the reload thread (a daemon thread: a read that never returns does not
+        hold the daemon's exit)."""
+        assert self.reload_config is not None
         try:
-            try:
-                new, origins = self.reload_config()
-            except KvdError as e:
-                log.error("reload failed, keeping the running configuration: %s", e)
-                return
-            except Exception:  # a bug in loading must not take a serving daemon down
-                log.exception("reload failed, keeping the running configuration")
-                return
-            self.apply(new, origins)
+            outcome: tuple[Config, dict[str, str]] | BaseException = self.reload_config()
+        except Exception as e:  # noqa: BLE001 - reported on the loop
+            outcome = e
+        try:
+            self.server.loop.call_soon_threadsafe(self._read_done, outcome)
+        except RuntimeError:  # the loop is closed: the daemon has stopped
+            pass
+
+    def _read_done(self, outcome: tuple[Config, dict[str, str]] | BaseException) -> None:
+        self._reading = False
+        try:
+            if isinstance(outcome, KvdError):
+                log.error("reload failed, keeping the running configuration: %s", outcome)
+            elif isinstance(outcome, BaseException):  # a bug in loading: keep serving
+                log.error("reload failed, keeping the running configuration",
+                          exc_info=outcome)
+            elif self.phase != "serving":
+                log.warning("configuration read while %s: not applied", self.phase)
+            else:
+                self.apply(*outcome)
         finally:
-            self.notifier.ready(self.status_line())
+            if self.phase == "serving":  # no READY=1 after STOPPING=1
+                self.notifier.ready(self.status_line())
+        if self._read_again:
+            self._read_again = False
+            self.reload()
 
     def apply(self, new: Config, origins: dict[str, str]) -> dict[str, tuple[Any, Any]]:
         """Swap in a config with the live keys of ``new`` (Config is frozen: replaced,

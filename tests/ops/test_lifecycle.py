@@ -474,6 +474,8 @@ def test_a_reload_signal_while_stopping_is_not_applied():
         life.status_line = lambda: "x"
         life.phase = "serving"
         life.reload()
+        while life._reading:  # the read runs on its thread
+            await asyncio.sleep(0.01)
         assert asked == [1]  # serving: reloaded
         life.request_stop()
         life.reload()
@@ -481,6 +483,42 @@ def test_a_reload_signal_while_stopping_is_not_applied():
         return asked
 
     assert asyncio.run(scenario()) == [1]
+
+
+def test_a_configuration_read_that_hangs_does_not_hold_the_loop():
+    """A config file on a network mount that hangs held the event loop (every client)
+    for as long as the read. The read runs on a thread; SIGHUPs meanwhile make one
+    more read after it; what was read is applied on the loop."""
+    gate = threading.Event()
+
+    async def scenario():
+        server = _FakeDaemon(inflight=0, stop_timeout_ms=300)
+        reads = []
+
+        def read():
+            reads.append(threading.current_thread().name)
+            assert gate.wait(10)
+            return Config(stop_timeout_ms=300, client_timeout_ms=1234 + len(reads)), {}
+
+        life = Lifecycle(server, None, read, notifier=Notifier(None))
+        life.status_line = lambda: "x"
+        life.phase = "serving"
+        life.reload()
+        life.reload()
+        life.reload()
+        started = time.monotonic()
+        await asyncio.sleep(0.2)  # the loop runs while the read hangs
+        assert time.monotonic() - started < 1
+        assert len(reads) == 1 and server.config.client_timeout_ms != 1235
+        gate.set()
+        deadline = time.monotonic() + 10
+        while (len(reads) < 2 or life._reading) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return reads, server.config.client_timeout_ms
+
+    reads, applied = asyncio.run(scenario())
+    assert reads == ["kvd-reload", "kvd-reload"]  # the two SIGHUPs during it: one read
+    assert applied == 1236
 
 
 def test_a_drain_queued_before_the_socket_closed_does_nothing_after_it(tmp_path):
