@@ -155,6 +155,8 @@ class Service:
             if isinstance(msg, m.Hello):
                 return self._hello(identity, peer, msg)
             if isinstance(msg, m.Bye):  # not answered: the client is gone
+                if (leaving := self.clients.get(identity)) is not None:
+                    leaving.said_bye = True  # its close waits for its Transfers' Dones
                 self.client_gone(identity, "said bye")
                 return None
             client = self.clients.get(identity)

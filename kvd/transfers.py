@@ -63,6 +63,9 @@ class Client:
     num_blocks: int = 0
     inflight: int = 0
     gone: bool = False
+    # It said Bye and reads on until its Transfers' Dones came (its close waits for
+    # them): those still go out, the rest of its replies do not.
+    said_bye: bool = False
     requests: int = 0
     uid: int = -1
     gid: int = -1
@@ -179,7 +182,7 @@ class Transfers:
         return m.Done(msg.req, msg.event, code, str(error), 0, seconds)
 
     def _push(self, client: Client, reply: m.Done | m.EventWaited) -> None:
-        if not client.gone:
+        if not client.gone or (client.said_bye and isinstance(reply, m.Done)):
             self.send(client.identity, reply)
 
     # ------------------------------------------------------------ accept
@@ -487,11 +490,16 @@ class Transfers:
                     "kvd is stopping; retry once it is back", m.Code.BUSY)))
 
     def cancel(self, client: Client) -> None:
-        """The client is gone: copy nothing more for it (engines see the deadline)."""
+        """The client is gone: copy nothing more for it (engines see the deadline, and
+        its Transfers still waiting for their Allocate end now)."""
         now = self.clock()
         for job, owner in self.owners.items():
             if owner is client:
                 job.deadline = min(job.deadline, now)
+        for sender, msg in self.tickets.unpark(lambda item: item[0] is client):
+            sender.parked_bytes -= _parked_cost(msg)
+            self._push(sender, self.done(sender, msg, KvdError(
+                "its client left before the Allocate of its ticket came", m.Code.CLIENT_GONE)))
 
 
 def _parked_cost(msg: m.Transfer) -> int:

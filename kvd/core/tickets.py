@@ -18,6 +18,7 @@ deadline, a minute by default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -114,6 +115,18 @@ class Tickets(Generic[T]):
 
     def park(self, tenant: int, ticket: int, item: T, deadline: float) -> None:
         self._parked.setdefault((tenant, ticket), []).append((deadline, item))
+
+    def unpark(self, which: Callable[[T], bool]) -> list[T]:
+        """Take out the parked items ``which`` selects (a sender that left)."""
+        out: list[T] = []
+        for k in list(self._parked):
+            keep = [(d, item) for d, item in self._parked[k] if not which(item)]
+            out += [item for d, item in self._parked[k] if which(item)]
+            if keep:
+                self._parked[k] = keep
+            else:
+                del self._parked[k]
+        return out
 
     def expire(self, now: float) -> list[T]:
         """Drop tickets past their deadline (their PENDING slots expire in the index);

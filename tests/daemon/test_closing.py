@@ -156,6 +156,31 @@ def test_closing_during_a_load_writes_nothing_after_its_done(daemon_factory):
         w.conn.close()
 
 
+def test_a_close_gets_the_daemons_dones_for_what_is_in_flight(daemon_factory):
+    """Told Bye, the daemon ends the client's Transfers, and their Dones are what close
+    waits for. It dropped every reply to a client that left, so close waited its 2 s
+    out and the caller got a Done made up on its side ("connection closed"), each time;
+    a Transfer waiting for its ticket's Allocate got nothing either."""
+    d = daemon_factory(*BIG)
+    w = Member(d.socket, "close-dones", blocks=128, fill=0x22)
+    try:
+        ks = stored(w, "dones")
+        hit = w.call(m.Lookup, keys=ks)
+        r = Member(d.socket, "close-dones", blocks=128, fill=0)
+        assert r.send(2, m.Direction.LOAD, range(128), unpack_u32(hit.slots))
+        assert r.send(3, m.Direction.STORE, range(4), ticket=987654321)  # parked
+        time.sleep(0.002)
+        r.conn.close()
+        got = {x.event: x for x in r.dones}
+        assert sorted(got) == [2, 3]
+        assert all(x.message != "connection closed" for x in got.values()), got
+        assert got[3].code == m.Code.CLIENT_GONE
+        assert got[2].code == m.Code.OK or not r.mem.any()  # cut: nothing after its Done
+        w.call(m.Release, lease=hit.lease)
+    finally:
+        w.conn.close()
+
+
 def test_a_request_id_in_flight_is_refused_to_a_second_message(daemon_factory):
     """Two loads under one request id: the first Done ended the second Transfer (its
     copy still running, into memory its caller took back), and the first one's never
