@@ -149,7 +149,7 @@ class EventRing:
         self._events = [self.api.event_create(interprocess=True) for _ in range(size)]
         self.handles = [self.api.ipc_get_event_handle(e) for e in self._events]
         self._free = list(range(size - 1, -1, -1))
-        self._busy: set[int] = set()
+        self._busy: dict[int, int] = {}  # index -> the owner (transfer) it was recorded for
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self.exhausted = 0  # record_next calls that found no free event
@@ -157,26 +157,30 @@ class EventRing:
     def __len__(self) -> int:
         return len(self._events)
 
-    def record_next(self, stream: int) -> int | None:
-        """Record a free event on ``stream`` (the compute stream); its index, or None."""
+    def record_next(self, stream: int, owner: int = -1) -> int | None:
+        """Record a free event on ``stream`` (the compute stream) for ``owner`` (the
+        transfer that sends it); its index, or None."""
         with self._lock:
             if not self._free:
                 self.exhausted += 1
                 return None
             i = self._free.pop()
-            self._busy.add(i)
+            self._busy[i] = owner
         try:
             self.api.event_record(self._events[i], stream)
         except Exception:
-            self.waited(i)
+            self.waited(i, owner)
             raise
         return i
 
-    def waited(self, index: int) -> None:
-        """The daemon's wait on ``index`` passed (EventWaited, or the transfer's Done)."""
+    def waited(self, index: int, owner: int = -1) -> None:
+        """The daemon's wait on ``index`` for ``owner`` passed (EventWaited, or the
+        transfer's Done). Both arrive: the second must not free the index once another
+        transfer recorded it again (the daemon still waits on it for that one; a third
+        one recording it over, on another stream, would let that wait pass early)."""
         with self._lock:
-            if index in self._busy:  # idempotent: EventWaited then Done both arrive
-                self._busy.discard(index)
+            if index in self._busy and self._busy[index] == owner:
+                del self._busy[index]
                 self._free.append(index)
                 self._cv.notify_all()
 

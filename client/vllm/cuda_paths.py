@@ -60,11 +60,11 @@ class CudaPath:
                           cuda_regions=split_pages(self.regions, fp.rank_page_bytes),
                           cuda_event_handles=self.ring.handles)
 
-    def order_event(self) -> int:
-        """An event recorded now on the compute stream: the daemon's copy of this job
+    def order_event(self, job: int) -> int:
+        """An event recorded now on the compute stream: the daemon's copy of ``job``
         waits for it on the GPU."""
         stream = compute_stream()
-        index = self.ring.record_next(stream)
+        index = self.ring.record_next(stream, job)
         if index is None:  # every event still awaited by the daemon: order by syncing
             self.api.stream_synchronize(stream)
             return -1
@@ -74,9 +74,9 @@ class CudaPath:
                     conn: Connection) -> str:
         return ""
 
-    def event_done(self, index: int) -> None:
+    def event_done(self, index: int, job: int) -> None:
         if index >= 0:
-            self.ring.waited(index)
+            self.ring.waited(index, job)
 
     def close(self) -> None:
         self.ring.close()  # waits (bounded) until the daemon passed its waits
@@ -104,7 +104,7 @@ class ClientCopyPath:
                         for r in split_pages(as_regions, fp.rank_page_bytes)]
         return m.Register(0, fp, rank=rank, client_copy=True, client_copy_reason=self.why)
 
-    def order_event(self) -> int:
+    def order_event(self, job: int) -> int:
         return -1  # loads are ordered here (before_send), stores are skipped
 
     def before_send(self, load: bool, blocks: np.ndarray, slots: np.ndarray,
@@ -135,7 +135,7 @@ class ClientCopyPath:
             self._copier = ClientCopier(reg, self._rank, self._pieces, self.stream, self.api)
         return self._copier
 
-    def event_done(self, index: int) -> None:
+    def event_done(self, index: int, job: int) -> None:
         return
 
     def close(self) -> None:

@@ -66,14 +66,14 @@ class _HostPath:
         return m.Register(0, fp, rank=rank,
                           host_regions=split_pages(self.regions, fp.rank_page_bytes))
 
-    def order_event(self) -> int:
+    def order_event(self, job: int) -> int:
         return -1
 
     def before_send(self, load: bool, blocks: np.ndarray, slots: np.ndarray,
                     conn: Connection) -> str:
         return ""
 
-    def event_done(self, index: int) -> None:
+    def event_done(self, index: int, job: int) -> None:
         return
 
     def close(self) -> None:
@@ -127,7 +127,7 @@ class KvdWorker(OffloadingWorker):
             options.socket, name=f"vllm-worker{rank}", timeout=options.call_timeout_ms / 1000,
             transfer_timeout=options.transfer_timeout_ms / 1000,
             register=self.path.register(fingerprint, rank), on_done=self._on_done,
-            on_event_waited=lambda ev: self.path.event_done(ev.cuda_event))
+            on_event_waited=lambda ev: self.path.event_done(ev.cuda_event, ev.event))
         log.info("kvd worker rank %d: %s data path, %d KV tensors, socket %s", rank,
                  self.path.kind, len(self.tensors), options.socket)
         _report_load_errors_through(self, spec)
@@ -176,7 +176,7 @@ class KvdWorker(OffloadingWorker):
         assert isinstance(slots_spec, KvdSlots)
         # Stores copy after the forward pass that computed the blocks; loads write after
         # what vLLM queued on its stream before (it may zero the blocks there).
-        cuda_event = self.path.order_event()
+        cuda_event = self.path.order_event(job_id)
         with self._cond:
             self._jobs[job_id] = _Job(load, blocks, cuda_event)
         # 0: the connection stamps its transfer_timeout.
@@ -206,7 +206,7 @@ class KvdWorker(OffloadingWorker):
             self._finished.append(TransferResult(
                 done.event, True, done.nbytes if ok else None, done.seconds if ok else None))
             self._cond.notify_all()
-        self.path.event_done(job.cuda_event)
+        self.path.event_done(job.cuda_event, done.event)
         if not ok:
             kind = "load" if job.load else "store"
             self.boundary.note(f"{kind}_transfer", m.Code(done.code).name.lower(),

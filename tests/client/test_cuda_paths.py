@@ -134,3 +134,19 @@ def test_exportable_memory_keeps_the_daemon_copy_path(fake):
     assert [r.page_bytes for r in reg.cuda_regions] == [PAGE // 2, PAGE // 2]
     assert len(reg.cuda_event_handles) == len(path.ring)
     path.close()
+
+
+def test_the_cuda_path_frees_an_event_only_for_the_transfer_it_was_recorded_for(
+        fake, compute):
+    t = GpuTensor(fake.alloc(PAGE * BLOCKS), BLOCKS, PAGE, PAGE)
+    path = cuda_data_path([t], fake)
+    assert isinstance(path, CudaPath)
+    first = path.order_event(1)
+    path.event_done(first, 1)  # EventWaited
+    again = path.order_event(2)
+    assert again == first
+    path.event_done(first, 1)  # transfer 1's Done comes after
+    assert path.ring.in_use() == 1
+    path.event_done(again, 2)
+    assert path.ring.in_use() == 0
+    path.close()

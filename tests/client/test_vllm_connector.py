@@ -509,6 +509,34 @@ def test_worker_shutdown_closes_its_data_path_while_the_daemon_can_still_confirm
     assert seen == {"conn_up": True, "jobs_open": []}
 
 
+def test_the_worker_names_the_transfer_whose_event_the_daemon_waited_for(daemon):
+    """A data path's events are freed per transfer: the worker hands the path the job
+    it records an event for, and the same job with its EventWaited and its Done."""
+    calls: list[tuple] = []
+
+    class Path(_HostPath):
+        def order_event(self, job: int) -> int:
+            calls.append(("order", job))
+            return -1
+
+        def event_done(self, index: int, job: int) -> None:
+            calls.append(("done", index, job))
+
+    fp = make_fingerprint(FACTS, b"root")
+    caches, _ = kv_caches()
+    mgr = KvdManager(options(daemon.socket), fp, FACTS)
+    worker = KvdWorker(options(daemon.socket), fp, caches, rank=0,
+                       path=Path([t.tensor for t in caches.tensors]))
+    try:
+        assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
+        store(mgr, worker, keys_for("ev", 2), [1, 2], job_id=41)
+        worker.conn.on_event_waited(m.EventWaited(0, 41, 3))  # as a GPU daemon sends it
+        assert calls == [("order", 41), ("done", -1, 41), ("done", 3, 41)]
+    finally:
+        mgr.shutdown()
+        worker.shutdown()
+
+
 def stored_then_hit(mgr, worker, tag: str) -> KvdSlots:
     """Blocks 1 and 2 stored under two keys, looked up by a new request: its load spec."""
     keys = keys_for(tag, 2)

@@ -349,6 +349,27 @@ def test_unknown_client_and_bad_event_index_fail_the_job(fake):
     rig.engine.close()
 
 
+def test_a_late_done_does_not_free_an_event_recorded_again_for_another_transfer(fake):
+    """EventWaited and then the Done of transfer 1 both free its event. In between,
+    transfer 2 recorded the same event (the ring reuses the freed one first): 1's Done
+    freed it under 2, whose wait the daemon had yet to pass, and a third transfer
+    recording it over (on another stream) would have let that wait pass early."""
+    rig = Rig(fake, events=2)
+    a = rig.ring.record_next(rig.compute, 1)
+    rig.ring.waited(a, 1)  # transfer 1's EventWaited
+    b = rig.ring.record_next(rig.compute, 2)
+    assert b == a
+    rig.ring.waited(a, 1)  # transfer 1's Done
+    assert rig.ring.in_use() == 1
+    c = rig.ring.record_next(fake.stream_create(), 3)
+    assert c is not None and c != b
+    assert rig.ring.record_next(rig.compute, 4) is None  # both awaited
+    rig.ring.waited(b, 2)
+    rig.ring.waited(b, 2)  # 2's Done after its EventWaited: once only
+    assert rig.ring.in_use() == 1
+    rig.engine.close()
+
+
 def test_event_ring_reuse_only_after_the_daemon_passed_the_wait(fake):
     rig = Rig(fake, events=2)
     gate, a = rig.forward()
