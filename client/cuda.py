@@ -275,10 +275,24 @@ class ClientCopier:
         from kvd_client.runs import coalesce  # noqa: PLC0415 - see the module docstring
         from kvd_client.cudart import ACCESS_ORDER_STREAM, copy_runs  # noqa: PLC0415
 
-        copy_runs(self.api, *coalesce(dsts, srcs, lengths), ACCESS_ORDER_STREAM, self.stream)
-        ev = self._free_events.pop() if self._free_events \
-            else self.api.event_create(blocking=True)
-        self.api.event_record(ev, self.stream)
+        try:
+            copy_runs(self.api, *coalesce(dsts, srcs, lengths), ACCESS_ORDER_STREAM,
+                      self.stream)
+            ev = self._free_events.pop() if self._free_events \
+                else self.api.event_create(blocking=True)
+            try:
+                self.api.event_record(ev, self.stream)
+            except Exception:
+                self._free_events.append(ev)
+                raise
+        except Exception:
+            # The runs enqueued before the failure would land after it was reported
+            # (a load failed: vLLM recomputes into those blocks meanwhile).
+            try:
+                self.api.stream_synchronize(self.stream)
+            except Exception:  # noqa: BLE001, S110 - a sticky error: nothing runs on
+                pass
+            raise
         return ev
 
     def done(self, token: int) -> bool:

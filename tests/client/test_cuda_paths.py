@@ -150,3 +150,50 @@ def test_the_cuda_path_frees_an_event_only_for_the_transfer_it_was_recorded_for(
     path.event_done(again, 2)
     assert path.ring.in_use() == 0
     path.close()
+
+
+def test_a_client_copy_that_fails_midway_lands_nothing_after_the_failure(
+        tmp_path, monkeypatch):
+    """The second of a load's copy calls fails: the first was enqueued already and,
+    with the copy stream busy, landed after the load was reported failed (vLLM then
+    recomputes into those blocks). The failure is reported once the stream is idle."""
+    import threading
+
+    from kvd_client.cudart import CudaError
+
+    fake = FakeCuda(driver=12070)  # no batched copy: one cudaMemcpyAsync per run
+    try:
+        pages = [1024, 512]
+        extent = 64 * 1024
+        pool = tmp_path / "pool"
+        pool.write_bytes(bytes([0x5A]) * (extent * 2))
+        reg = m.Registered(1, 1, sum(pages), sum(pages), str(pool), extent, 4)
+        fake.set_current_context(0xC0)
+        tensors = [GpuTensor(fake.alloc(p * BLOCKS), BLOCKS, p, p) for p in pages]
+        stream = fake.stream_create()
+        monkeypatch.setattr(cuda_paths, "compute_stream", lambda: stream)
+        path = ClientCopyPath(tensors, "test", fake)
+        path.register(m.Fingerprint("m", "d", "d", 16, 1, pages, "h", b""), 0)
+        hold = fake.launch(path.stream)  # the copy stream is busy for a while
+        real, calls = fake.memcpy_async, []
+
+        def flaky(dst, src, nbytes, s):
+            calls.append(nbytes)
+            if len(calls) == 2:
+                threading.Timer(0.2, hold.set).start()
+                raise CudaError("cudaMemcpyAsync", 1, "cudaErrorInvalidValue")
+            return real(dst, src, nbytes, s)
+
+        monkeypatch.setattr(fake, "memcpy_async", flaky)
+        conn = SimpleNamespace(registered=reg)
+        with pytest.raises(CudaError):
+            path.before_send(True, np.array([2, 3]), np.array([1, 3]), conn)
+        block = fake.buffer(tensors[0].ptr)[2 * 1024:3 * 1024]
+        at_failure = block.copy()
+        hold.set()
+        assert fake.idle()
+        assert (block == at_failure).all(), "a copy landed after the load failed"
+        path.close()
+        assert fake.violations == []
+    finally:
+        fake.shutdown()
