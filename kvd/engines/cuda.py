@@ -163,9 +163,11 @@ class CudaEngine(TransferEngine):
             if dev.lost:
                 raise self._lost_error(dev)
             c = Client(pid, dev, [], [], [])
+            opened = False
             try:
                 self.api.set_current_context(dev.ctx)  # this thread opens the handles
                 self._handles.open(c, regions, reg.cuda_event_handles)
+                opened = True
                 c.lane = Lane(self.api, dev.ctx, f"store-{client}", self._start, self._end)
             except Exception as e:
                 self._release(c)
@@ -174,6 +176,9 @@ class CudaEngine(TransferEngine):
                 if is_sticky(e):
                     self._lose(dev, e)
                     raise self._lost_error(dev) from e
+                if opened:  # the handles were fine: the daemon's own streams were not
+                    raise TransferError(f"cannot create the copy streams for the client's "
+                                        f"GPU: {e}") from e
                 raise open_failure(pid, e) from e
             self._clients[client] = c
             base = {h: self._handles.base(c, h) for (_, h) in c.mem_keys}

@@ -74,10 +74,23 @@ class Lane:
         self.api, self.ctx, self.name = api, ctx, name
         self._start, self._end = start, end
         api.set_current_context(ctx)
-        self.stream = api.stream_create()
-        self.helpers = [api.stream_create() for _ in range(COPY_STREAMS - 1)]
-        self._fork = api.event_create()
-        self._joins = [api.event_create() for _ in self.helpers]
+        streams: list[int] = []
+        events: list[int] = []
+        try:
+            for _ in range(COPY_STREAMS):
+                streams.append(api.stream_create())
+            for _ in range(COPY_STREAMS):  # the fork, then a join per helper
+                events.append(api.event_create())
+        except Exception:  # what was made is freed: a refused attach leaks nothing
+            for call, arg in [*((api.event_destroy, e) for e in events),
+                              *((api.stream_destroy, s) for s in streams)]:
+                try:
+                    call(arg)
+                except Exception:  # noqa: BLE001, S110 - the first error is the one to raise
+                    pass
+            raise
+        self.stream, self.helpers = streams[0], streams[1:]
+        self._fork, self._joins = events[0], events[1:]
         self.todo: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[Work, int] | None] = queue.SimpleQueue()
         self._free: list[int] = []

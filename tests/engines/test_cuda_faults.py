@@ -191,3 +191,36 @@ def test_a_stop_cancels_pinning_between_chunks(fake, monkeypatch):
     assert 1 <= registered < 40
     assert len(fake.of("host_unregister")) == registered and not fake.registered
     assert pinner.status()["state"] == "released"
+
+
+def test_a_lane_that_cannot_be_made_frees_what_it_made_and_says_so(fake, monkeypatch):
+    """The store lane's second event fails to be made: its four streams and first event
+    were never freed (each refused attach leaked them), and the refusal blamed the
+    client's IPC handles, which had opened fine."""
+    rig = Rig(fake)
+    real = fake.event_create
+    made = {"n": 0}
+
+    def flaky(interprocess=False, blocking=False):
+        if threading.current_thread().name == "MainThread" and not interprocess:
+            made["n"] += 1
+            if made["n"] == 2:
+                raise CudaError("cudaEventCreateWithFlags", 2, "cudaErrorMemoryAllocation")
+        return real(interprocess, blocking)
+
+    fake.set_current_context(None)
+    streams_before = {c[2] for c in fake.of("stream_create")}
+    events_before = {c[2] for c in fake.of("event_create")}
+    monkeypatch.setattr(fake, "event_create", flaky)
+    for attempt in range(3):
+        made["n"] = 0
+        with pytest.raises(TransferError) as refused:
+            rig.engine.attach(100 + attempt, 4242, rig.reg)
+        assert "copy streams" in str(refused.value) and "IPC" not in str(refused.value)
+    monkeypatch.setattr(fake, "event_create", real)
+    made_streams = {c[2] for c in fake.of("stream_create")} - streams_before
+    made_events = {c[2] for c in fake.of("event_create")} - events_before
+    freed = {c[2] for c in fake.of("stream_destroy")} | {c[2] for c in fake.of("event_destroy")}
+    assert len(made_streams) == 12 and not made_streams - freed
+    assert len(made_events) == 3 and not made_events - freed
+    rig.engine.close()
