@@ -341,6 +341,8 @@ class CudaEngine(TransferEngine):
             return ev
         except Exception as e:  # noqa: BLE001 - reported to the client as Done
             if not claimed:
+                if is_sticky(e):  # e.g. polling the worker's event: the context is done
+                    self._lose(c.device, e)
                 self._fail(work, e)  # nothing if somebody else ended it meanwhile
                 return None
             # Part of the copies may be on the streams already: no Done before they ran.

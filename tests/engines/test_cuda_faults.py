@@ -224,3 +224,17 @@ def test_a_lane_that_cannot_be_made_frees_what_it_made_and_says_so(fake, monkeyp
     assert len(made_streams) == 12 and not made_streams - freed
     assert len(made_events) == 3 and not made_events - freed
     rig.engine.close()
+
+
+def test_a_sticky_error_met_polling_a_workers_event_loses_the_gpu(fake):
+    """The vLLM store path waits for the worker's event first: a sticky error there
+    failed the job but left the GPU counted usable (`lost_gpus` 0), and each later job
+    tried the dead context again."""
+    rig = Rig(fake)
+    gate, ev = rig.forward()
+    rig.engine.submit(rig.job(m.Direction.STORE, [3], [5], event=1, cuda_event=ev))
+    assert fake.wait_for(lambda: fake.of("event_query"))
+    fake.poison(0)  # another copy hit an illegal address, say
+    assert_lost(fake, rig)
+    gate.set()
+    rig.engine.close()
