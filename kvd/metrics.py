@@ -256,7 +256,10 @@ class Metrics:
 
     def __init__(self, source: Callable[[], tuple[dict[str, Any], float]],
                  registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        # The status collector names its metrics only when it collects: a registry that
+        # does not keep such collectors answers ``?name[]=...`` with none of kvd's.
+        self.registry = registry if registry is not None else CollectorRegistry(
+            support_collectors_without_names=True)
         self.registry.register(StatusCollector(source))
         self.transfer_seconds = Histogram(
             "kvd_transfer_seconds", "Transfer latency from submit to completion",

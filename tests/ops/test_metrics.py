@@ -91,6 +91,20 @@ def test_counters_match_kvdctl_status_after_real_traffic(daemon_factory, capsys)
     assert d.stop() == 0
 
 
+def test_a_scrape_of_named_metrics_gets_kvds(daemon_factory):
+    """``/metrics?name[]=...`` (a scraper asking for a few series) got none of the
+    status collector's: only the transfer histogram answered a filter."""
+    port = free_port()
+    d = daemon_factory("--metrics-port", str(port))
+    url = (f"http://127.0.0.1:{port}/metrics?name[]=kvd_status_age_seconds"
+           "&name[]=kvd_requests_total&name[]=kvd_transfer_seconds_count")
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert {"kvd_status_age_seconds", "kvd_requests_total"} <= names, text
+    assert not any(n.startswith("kvd_pool") for n in names)  # filtered: only those asked
+    assert d.proc.poll() is None
+
+
 def test_port_zero_disables_the_endpoint(daemon_factory, capsys):
     d = daemon_factory("--metrics-port", "0")
     assert status_json(d, capsys)["metrics"] == ""
