@@ -325,7 +325,18 @@ class Index:
         evicted: list[bytes] = []
         total = 0
         if need > 0:
-            total = self.evictor.make_room(tenant, need, len(new), evicted)
+            # The keys of this call already held are the prefix of the ones it stores:
+            # making room must not evict them (it did, in a full pool: the new blocks
+            # then followed a prefix that was gone, and the call answered it present).
+            held = (np.array([ns[k] for k in keys if k in ns], dtype=np.int64)
+                    if len(new) < len(keys) else None)
+            if held is not None:
+                self.pin(held)
+            try:
+                total = self.evictor.make_room(tenant, need, len(new), evicted)
+            finally:
+                if held is not None:
+                    self.unpin(held)
         slots = [NO_SLOT] * len(keys)
         answered = len(keys)
         deadline = now + pending_s

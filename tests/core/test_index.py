@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,6 +87,24 @@ def test_pinned_blocks_survive_eviction_and_full_pool_says_so():
     assert ix.counters.evicted_bytes == 2 * BLOCK
     assert ix.lookup(t, [k(0), k(1)])[0] == 2
     ix.release(lease)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_an_allocate_never_evicts_the_keys_it_answers_present(policy):
+    """The next turn of a conversation: its first blocks are held, the rest new, the
+    pool full. Making room evicted the held ones (answered "present" in the same
+    reply): the new blocks would have followed a prefix that was gone."""
+    ix, t, _ = make_index(blocks=8, policy=policy)
+    turn = [k(i) for i in range(6)]
+    store(ix, t, turn[:4])
+    store(ix, t, [k(100), k(101), k(102), k(103)])  # older than nothing: the pool is full
+    r = ix.allocate(t, turn)
+    assert r.slots[:4] == [NO_SLOT] * 4 and not set(turn[:4]) & set(r.evicted)
+    assert ix.lookup(t, turn[:4])[0] == 4
+    ix2, t2, _ = make_index(blocks=4, policy=policy)
+    store(ix2, t2, turn[:4])
+    r2 = ix2.allocate(t2, turn)  # no room without the prefix: the new keys get none
+    assert r2.allocated == 4 and r2.evicted == [] and ix2.lookup(t2, turn[:4])[0] == 4
 
 
 def test_expiry_releases_leases_and_pending():
