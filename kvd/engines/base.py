@@ -69,8 +69,9 @@ def expired(job: CopyJob, now: float | None = None) -> TransferError | None:
     now = time.monotonic() if now is None else now
     if now <= job.deadline:
         return None
-    return TransferError(f"deadline passed {now - job.deadline:.3f}s before the copy could "
-                         "start; nothing was copied", Code.EXPIRED)
+    return TransferError(f"deadline passed {now - job.deadline:.3f}s before a copy could "
+                         "start; no copy was started after it (parts copied before it may "
+                         "have landed)", Code.EXPIRED)
 
 
 def late(job: CopyJob, now: float | None = None) -> TransferError | None:

@@ -143,7 +143,9 @@ def test_it_ends_up_following_the_expert_that_wins(make, capacity: int, winner: 
     alone = {n: _replay(make_policy(n, capacity), trace) for n in ("lru", "arc")}
     refs = sum(map(len, trace))
     assert max(alone, key=alone.__getitem__) == winner  # the trace is what it claims
-    assert abs(alone["lru"] - alone["arc"]) > 0.03 * refs
+    # (3 % until 2026-11-29; an Allocate no longer evicting its own held keys brought
+    # _chat's LRU/ARC gap at 200 blocks from 3.9 % to 2.1 %: still a clear winner.)
+    assert abs(alone["lru"] - alone["arc"]) > 0.02 * refs
     policy = type("LruOrArc", (AdaptivePolicy,), {"experts": ("lru", "arc")})(capacity)
     hits = _replay(policy, trace)
     assert policy.leader == winner
