@@ -26,6 +26,7 @@ import argparse
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 from sweep_policies import TRACE
 
@@ -39,7 +40,8 @@ THRESHOLDS = [t / 100 for t in range(5, 61, 5)]
 def lru_admit(trace: Trace, capacity: int, admit: Callable[[int], bool]) -> float:
     """Prefix-protocol LRU, as the daemon's index drives ``lru``: a request's leading
     cached run is its hits (touched, tail first); of its other blocks, those not cached and
-    admitted (``admit(flat position)``) are stored, room for all of them evicted first;
+    admitted (``admit(flat position)``) are stored, room for all of them evicted first
+    (never the request's own cached blocks: those that find no room are not stored);
     a cached block after the first miss is left as it is."""
     cache: OrderedDict[int, None] = OrderedDict()
     hits = refs = pos = 0
@@ -55,9 +57,12 @@ def lru_admit(trace: Trace, capacity: int, admit: Callable[[int], bool]) -> floa
         refs += len(req)
         new = list(dict.fromkeys(
             h for j, h in enumerate(req[n:], pos + n) if h not in cache and admit(j)))
-        for _ in range(max(0, len(cache) + len(new) - capacity)):
-            cache.popitem(last=False)
-        cache.update(dict.fromkeys(new[:capacity]))
+        excess = len(cache) + len(new) - capacity
+        if excess > 0:  # never the request's own cached blocks (kvd's Allocate keeps them)
+            held = {h for h in req[n:] if h in cache}
+            for h in list(islice((h for h in cache if h not in held), excess)):
+                del cache[h]
+        cache.update(dict.fromkeys(new[:max(0, capacity - len(cache))]))
         pos += len(req)
     return hits / refs if refs else 0.0
 
