@@ -325,9 +325,9 @@ class Index:
         evicted: list[bytes] = []
         total = 0
         if need > 0:
-            # The keys of this call already held are the prefix of the ones it stores:
-            # making room must not evict them (it did, in a full pool: the new blocks
-            # then followed a prefix that was gone, and the call answered it present).
+            # The keys of this call already held belong to the chain it stores: making
+            # room must not evict them (it did, in a full pool: the new blocks then
+            # followed blocks that were gone, and the call answered them present).
             held = (np.array([ns[k] for k in keys if k in ns], dtype=np.int64)
                     if len(new) < len(keys) else None)
             if held is not None:

@@ -118,27 +118,26 @@ class Tickets(Generic[T]):
 
     def unpark(self, which: Callable[[T], bool]) -> list[T]:
         """Take out the parked items ``which`` selects (a sender that left)."""
-        out: list[T] = []
-        for k in list(self._parked):
-            keep = [(d, item) for d, item in self._parked[k] if not which(item)]
-            out += [item for d, item in self._parked[k] if which(item)]
-            if keep:
-                self._parked[k] = keep
-            else:
-                del self._parked[k]
-        return out
+        return self._take(lambda deadline, item: which(item))
 
     def expire(self, now: float) -> list[T]:
         """Drop tickets past their deadline (their PENDING slots expire in the index);
         returns parked items whose Allocate never came."""
         for k in [k for k, t in self._held.items() if t.deadline <= now]:
             del self._held[k]
-        late: list[T] = []
-        for k in list(self._parked):
-            keep = [(d, item) for d, item in self._parked[k] if d > now]
-            late += [item for d, item in self._parked[k] if d <= now]
+        return self._take(lambda deadline, item: deadline <= now)
+
+    def _take(self, taken: Callable[[float, T], bool]) -> list[T]:
+        out: list[T] = []
+        for k, items in list(self._parked.items()):
+            keep = []
+            for d, item in items:
+                if taken(d, item):
+                    out.append(item)
+                else:
+                    keep.append((d, item))
             if keep:
                 self._parked[k] = keep
             else:
                 del self._parked[k]
-        return late
+        return out
