@@ -100,6 +100,10 @@ class Allocator:
         out.sort(key=used.__getitem__)
         return out
 
+    def used_in(self, extent: int) -> int:
+        """Slots of ``extent`` in use (allocated or claimed, not freed)."""
+        return self._extent_used[extent]
+
     def slot_bytes_array(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's size (0: its extent serves no size class), for whole batches."""
         return self._extent_slot_bytes[slots // self.slots_per_extent_max]

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import islice, takewhile
 from typing import Any, NamedTuple, TypeVar, cast
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 import numpy as np
 
 from kvd.core.allocator import Allocator, AllocatorError
+from kvd.core.eviction import SCAN
 from kvd.core.policies.base import DEFAULT_POLICY, make_policy
 from kvd.errors import BreakerOpen, ConfigError, TierError
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
@@ -128,6 +130,7 @@ class DiskTier(Tier):
         self._faults = 0  # consecutive
         self.last_error = ""
         self._entries: dict[bytes, DiskPut] = {}  # scoped key -> block; order: recency
+        self._slot_key: dict[int, bytes] = {}  # slot -> scoped key, of every held block
         self._backlog: list[Any] | None = None  # appended while a snapshot is written
         self._records = 0  # records in the journal file
         self._closed = False
@@ -176,9 +179,8 @@ class DiskTier(Tier):
             except AllocatorError:
                 ok = False
             if ok:
-                self._entries[key] = rec
                 self.allocator.fit(self.policy, self._bound)
-                self.policy.insert(key, rec.depth)
+                self._hold(key, rec)
         if len(self._entries) < len(live):
             log.warning("disk tier %s: %d journaled blocks do not fit the geometry",
                         self.path, len(live) - len(self._entries))
@@ -223,23 +225,63 @@ class DiskTier(Tier):
     def _drop(self, keys: Sequence[bytes]) -> list[int]:
         """Take keys the policy already let go of out of the index; their slots."""
         slots = [self._entries.pop(k).slot for k in keys]
+        deque(map(self._slot_key.pop, slots), maxlen=0)
         self.allocator.free_many(slots)
         return slots
 
+    def _hold(self, key: bytes, put: DiskPut) -> None:
+        self._entries[key] = put
+        self._slot_key[put.slot] = key
+        self.policy.insert(key, put.depth)
+
+    def _empty_extents(self, slot_bytes: int, n: int) -> list[int]:
+        """Room for ``n`` slots of ``slot_bytes`` by emptying whole extents of other
+        sizes, fewest blocks first (the least lost per extent freed), as the RAM
+        evictor does: evicting in policy order until an extent happened to empty took,
+        where each extent held one recent block, nearly the whole tier. An extent with
+        a slot set aside (a bad sector) never empties and is passed over."""
+        alloc, slot_key = self.allocator, self._slot_key
+        short = n - alloc.free_slots(slot_bytes)
+        if short <= 0:
+            return []
+        need = -(-short // alloc.per_extent(slot_bytes))
+        spm = alloc.slots_per_extent_max
+        keys: list[bytes] = []
+        for e in alloc.other_extents(slot_bytes):
+            held = list(filter(None, map(slot_key.get, range(e * spm, (e + 1) * spm))))
+            if len(held) != alloc.used_in(e):
+                continue
+            keys += held
+            need -= 1
+            if not need:
+                break
+        deque(map(self.policy.remove, keys), maxlen=0)  # not its victims: its own order
+        return self._drop(keys)
+
+    def _evict_own(self, slot_bytes: int, n: int, limit: int | None) -> list[int]:
+        """Evict the policy's first ``n`` victims of ``slot_bytes``, among its first
+        ``limit`` (None: all)."""
+        entries = self._entries
+        keys = list(islice((k for k in islice(self.policy.victims(), limit)
+                            if entries[k].slot_bytes == slot_bytes), n))
+        self.policy.evicted_many(keys)
+        return self._drop(keys)
+
     def _make_room(self, slot_bytes: int, n: int) -> list[int]:
-        """Evict in policy order until ``n`` slots of ``slot_bytes`` are free: blocks of
-        that size first, then any (their extents free up). Returns the slots freed."""
-        alloc, policy, entries = self.allocator, self.policy, self._entries
+        """Evict until ``n`` slots of ``slot_bytes`` are free: blocks of that size first,
+        then whole extents of other sizes, then any in policy order (a last resort).
+        Returns the slots freed."""
+        alloc, policy = self.allocator, self.policy
         short = n - alloc.free_slots(slot_bytes)
         if short <= 0:
             return []
         if alloc.size_classes == 1:  # every block has this size
             freed = self._drop(policy.evict(short))
-        else:
-            keys = list(islice((k for k in policy.victims()
-                                if entries[k].slot_bytes == slot_bytes), short))
-            policy.evicted_many(keys)
-            freed = self._drop(keys)
+        else:  # its own size first, looking only so deep (as the RAM evictor does)
+            freed = self._evict_own(slot_bytes, short, SCAN + 4 * short)
+            freed += self._empty_extents(slot_bytes, n)
+            if (short := n - alloc.free_slots(slot_bytes)) > 0:  # too few emptied
+                freed += self._evict_own(slot_bytes, short, None)
         while alloc.free_slots(slot_bytes) < n and (keys := list(islice(policy.victims(),
                                                                         64))):
             policy.evicted_many(keys)
@@ -342,8 +384,7 @@ class DiskTier(Tier):
         with self._lock:
             self._faults = 0
             for w, p in zip(placed, puts):
-                self._entries[w.scoped] = p
-                self.policy.insert(w.scoped, p.depth)
+                self._hold(w.scoped, p)
             self.counts["written_blocks"] += len(puts)
             compact = (self._records > max(self.compact_min_records, 4 * len(self._entries))
                        and self.clock() >= self._compact_after)
@@ -406,6 +447,7 @@ class DiskTier(Tier):
                 # aside (unreadable: a put would take it again).
                 self.policy.remove(k)
                 del entries[k]
+                del self._slot_key[bad.slot]
                 gone = bad.slot
                 self.counts[why] += 1
                 if why == "unreadable_blocks":
@@ -491,6 +533,7 @@ class DiskTier(Tier):
                 with self._lock:
                     self._closed = True
                     self._entries.clear()
+                    self._slot_key.clear()
                 with self._jlock:
                     self.journal.close()
                 os.close(self._fd)

@@ -594,6 +594,26 @@ def test_two_sizes_share_the_file_by_freeing_whole_extents(tmp_path):
     t.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_one_block_of_another_size_evicts_one_extent_not_the_whole_tier(tmp_path, policy):
+    """Another model's first block needs one extent: it empties the least-used one,
+    not, in policy order, every extent that still held one recently used block."""
+    t = DiskTier(str(tmp_path), SIZE, policy=policy, extent_size=EXT, sync=False)
+    small = ks("s", 256)
+    assert t.put(NS, blocks(small)) == 256  # every extent full of 16 KiB slots
+    for k in small[::64 // 4]:  # a recent use in each extent (64 slots per extent)
+        assert t.contains(NS, [k]) == 1
+    before = t.counts["evicted_blocks"]
+    assert t.put(OTHER, blocks([b"big"], ns=OTHER, n=5 * B)) == 1
+    assert t.counts["evicted_blocks"] - before == 64  # one extent, no more
+    assert_hits(t, [b"big"], ns=OTHER, n=5 * B)
+    held = [k for k in small if t.contains(NS, [k])]
+    assert len(held) == 192
+    for k in held[::16]:
+        assert_hits(t, [k])
+    t.close()
+
+
 # ------------------------------------------------------------------ properties
 class DiskModel(RuleBasedStateMachine):
     """Random puts, gets, byte flips and restarts on a tiny tier (two 64 KiB extents, three
