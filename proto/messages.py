@@ -83,8 +83,13 @@ class HelloOk(_Msg, tag="hello_ok"):
     peer_pid: int = 0
 
 
-class Fingerprint(msgspec.Struct, frozen=True, array_like=True):
-    """What makes blocks interchangeable between engines (the tenant)."""
+class Fingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What makes blocks interchangeable between engines (the tenant).
+
+    The one struct that does not take unknown trailing fields: a field a newer client
+    added to tell tenants apart would be dropped by an older daemon, which would then
+    merge two tenants and serve one's blocks to the other. It refuses the Register
+    instead (the client runs without kvd). New identity goes into ``extra``."""
 
     model: str
     dtype: str

@@ -65,6 +65,15 @@ def test_an_older_message_without_new_trailing_fields_still_decodes():
     assert m.decode_request(old) == m.Lookup(3, [b"k"], 500, 0)
 
 
+def test_a_fingerprint_with_a_field_this_daemon_does_not_know_is_refused():
+    # Dropping it could merge two tenants a newer client tells apart: refused, not read.
+    fp = ["m", "bf16", "auto", 16, 1, [4096], "sha256", b"r", 0, "", "new-identity"]
+    with pytest.raises(msgspec.ValidationError):
+        m.decode_request(msgspec.msgpack.encode(["register", 1, fp, -1]))
+    assert m.decode_request(msgspec.msgpack.encode(["register", 1, fp[:-1], -1])
+                            ).fingerprint.model == "m"
+
+
 def test_ticket_fields_grow_the_wire_both_ways():
     # A client from before tickets: its Transfer and Allocate decode with ticket 0.
     old_transfer = msgspec.msgpack.encode(["transfer", 9, 5, 0, b"", b"", -1])
