@@ -325,14 +325,17 @@ class KvEvents:
         """Without the drops of blocks that another tenant on the same topic still
         holds: two tenants of one model (two TP sizes, say) share the default topic,
         and evicting one of them told routers the node had lost the other's blocks."""
-        if not any(e[0] == "drop" for e in events):
+        droppers = {e[2] for e in events if e[0] == "drop"}
+        if not droppers:
             return events
         on: dict[bytes, list[int]] = {}
         for tid in self.tenants():
             on.setdefault(self._topic(tid), []).append(tid)
-        others = {tid: [o for o in tids if o != tid]
-                  for tids in on.values() if len(tids) > 1 for tid in tids}
-        if not others:
+        # By the dropping tenant's own topic, not among the tenants still here: one
+        # dropped at the tenant limit is gone by now, and its drops are all it has left.
+        others = {tid: [o for o in on.get(self._topic(tid), ()) if o != tid]
+                  for tid in droppers}
+        if not any(others.values()):
             return events
         holds = self.holds
         return [e for e in events if e[0] != "drop"

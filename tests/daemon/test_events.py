@@ -553,6 +553,44 @@ def test_a_block_another_tenant_on_the_topic_holds_is_not_said_removed(
         capsys.readouterr()
 
 
+def test_a_tenant_dropped_at_the_limit_does_not_remove_what_another_on_its_topic_holds(
+        daemon_factory, tmp_path):
+    """As above, when the idle tenant is dropped with its blocks at the tenant limit: it
+    is gone from the tenants by the time its drops are published, and the check that
+    looked for its topic's other tenants only among those present found none."""
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text("max_tenants = 2\n")
+    d = daemon_factory(*EVENTS, "--config", str(cfg), start=False)
+    d.env["KVD_EVENTS_NODE"] = "node-a"
+    d.start()
+    sub = Sub(endpoints(d)[0])
+    a, b = Engine(d.socket), _OtherLayout(d.socket)
+    third = None
+    try:
+        both, only_a = [key(i) for i in range(4)], [key(i) for i in range(4, 6)]
+        a.store(both + only_a)
+        b.store(both)
+        while not sub.quiet():
+            sub.recv()
+        a.close()  # tenant A idles, holding its blocks
+        third = Connection(d.socket, name="third", register=m.Register(
+            0, fingerprint(Spec(d.socket, model="other")), -1))
+        assert third.wait_up(10)  # at the limit: A goes, with its blocks
+        assert wait_for(lambda: "dropped with" in d.logs(), 10)
+        removed: list[int] = []
+        while sub.sock.poll(1000):  # every batch until a second of quiet
+            _, _, payload = sub.sock.recv_multipart()
+            removed += [h for e in decode(payload).events if isinstance(e, BlockRemoved)
+                        for h in e.block_hashes]
+        assert sorted(removed) == sorted(published(k) for k in only_a)
+        assert b.sched.request(m.Lookup(b.sched.next_req(), both)).hits == 4
+    finally:
+        b.close()
+        if third is not None:
+            third.close()
+        sub.close()
+
+
 def test_stuck_subscriber_does_not_slow_stores(daemon_factory, tmp_path):
     # ipc: small socket buffers, so a subscriber that never reads is full soon.
     d = daemon_factory("--events-endpoint", f"ipc://{tmp_path}/events.ipc",
