@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class Recovery:
     seconds: float = 0.0
     discarded: str = ""  # why an old journal was not used
     errors: int = 0  # journal writes that failed (records lost until the next snapshot)
+    # Tenants the journal named that this run did not keep (id -> model): its blocks
+    # were discarded, or it held none and went at the tenant limit. Routers still hold
+    # what the last run announced on their topics, which the opening batch must clear.
+    not_kept: dict[int, str] = field(default_factory=dict)
 
 
 class Persistence:
@@ -78,6 +82,8 @@ class Persistence:
             log.warning("not restoring the pool: %s", rec.discarded)
         else:
             self._restore(index, tenants, pool, rp)
+        rec.not_kept = {t.id: t.model for t in rp.tenants.values()
+                        if tenants.get(t.id) is None}
         index.events.clear()  # the snapshot below already says all of it
         try:
             self.journal = Journal(self.path)

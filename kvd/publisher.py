@@ -269,6 +269,7 @@ class KvEvents:
         # opens with AllBlocksCleared, so a router drops what an earlier daemon on this
         # node announced (a restart without --persist keeps nothing of it).
         self._opened: set[bytes] = set()
+        self._gone: set[bytes] = set()  # topics to clear that no tenant here speaks on
 
     def add(self, events: list[tuple]) -> None:
         if not events:
@@ -278,9 +279,13 @@ class KvEvents:
         if first and self.on_pending is not None:
             self.on_pending()
 
-    def clear(self, kept: list[tuple]) -> None:
+    def clear(self, kept: list[tuple], gone: dict[int, str] | None = None) -> None:
         """Everything before is superseded: AllBlocksCleared on every tenant's topic,
-        then BlockStored for ``kept`` (commit tuples of the blocks still held)."""
+        then BlockStored for ``kept`` (commit tuples of the blocks still held).
+        ``gone``: tenants (id -> model) of an earlier run that this one did not keep;
+        their topics are cleared too (a router held what that run announced there)."""
+        for tid, model in (gone or {}).items():
+            self._gone.add(topic_for(self.topic, self.node, tid, model))
         self.add([("clear", kept)])
 
     def flush(self) -> None:
@@ -289,10 +294,16 @@ class KvEvents:
             return
         events, self.pending = self._shared_drops(self.pending), []
         by_tenant = self.builder.build(events, self.info, self.tenants())
-        if not by_tenant:
-            return
         ts = time.time()
         batches = []
+        if self._gone:
+            for topic in sorted(self._gone - set(map(self._topic, self.tenants()))):
+                self._opened.add(topic)  # a heartbeat tells a late router of the gap
+                batches.append((topic, self._encode(KVEventBatch(ts, [AllBlocksCleared()])),
+                                1))
+            self._gone.clear()
+        if not by_tenant and not batches:
+            return
         cleared: set[bytes] = set()  # one clear per topic: tenants may share a topic
         for tid, evs in by_tenant.items():
             topic = self._topic(tid)

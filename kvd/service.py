@@ -82,7 +82,9 @@ class Service:
                 topic=config.events_topic, node=config.events_node, hwm=config.events_hwm,
                 int_hashes=config.events_int_hashes, info=self._tenant_info,
                 tenants=lambda: [t.id for t in self.tenants], holds=self.index.holds)
-            self.kv_events.clear(self._held())  # a (re)start: what it holds now
+            # A (re)start: what it holds now, and the topics of tenants it did not keep.
+            self.kv_events.clear(self._held(), self.persist.recovery.not_kept
+                                 if self.persist is not None else None)
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
         self.transfers = Transfers(config, self.index, pool.base, send, clock, self.counters,

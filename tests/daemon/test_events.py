@@ -270,6 +270,43 @@ def test_a_router_back_after_a_warm_restart_is_told_of_the_gap_while_the_daemon_
         sub.close()
 
 
+@pytest.mark.parametrize("change", ["pool file lost", "pool resized"])
+def test_a_restart_that_keeps_none_of_the_journals_blocks_clears_their_topics(
+        daemon_factory, change):
+    """With --persist, a restart that cannot use the journal (the pool file went with a
+    reboot; the pool was resized) keeps no tenant, so its opening batch went to no
+    topic: routers kept advertising the last run's blocks while the daemon idled."""
+    d = daemon_factory(*EVENTS, start=False)
+    d.env.update({"KVD_EVENTS_NODE": "node-a", "KVD_PERSIST": "true"})
+    d.start()
+    sub = Sub(endpoints(d)[0])
+    eng = Engine(d.socket)
+    try:
+        eng.store([key(i) for i in range(3)])
+        _, last, _ = sub.recv()
+    finally:
+        eng.close()
+        sub.close()
+    d.stop()
+    if change == "pool file lost":
+        os.unlink(d.pool_path)
+    else:
+        i = d.args.index("--pool-size")
+        d.args[i + 1] = "32M"
+    d.start()
+    pub, rep = endpoints(d)
+    assert wait_for(lambda: d.status()["events"]["batches"] >= 1, 10)
+    assert d.status()["blocks"]["ready"] == 0
+    sub = Sub(pub)
+    try:
+        _, seq, payload = sub.recv(heartbeats=True)  # the topic is this run's too now
+        assert decode(payload).events == [] and seq > last + 1
+        topic, _, opening = replay(rep, last + 1)[0]
+        assert topic == TOPIC and decode(opening).events == [AllBlocksCleared()]
+    finally:
+        sub.close()
+
+
 def test_every_router_that_joins_gets_a_heartbeat_and_a_flood_of_joins_few(events_daemon):
     """A second router on a topic already followed is told too (XPUB shows duplicate
     subscriptions); subscriptions in a loop get at most one heartbeat a second."""
