@@ -553,19 +553,26 @@ class _OtherLayout(Engine):
         self.event = 0
 
 
+def _sharing_a_topic(d) -> tuple[Sub, Engine, _OtherLayout, list[bytes], list[bytes]]:
+    """Two tenants of one model (so one topic): A stores ``both + only_a``, B ``both``;
+    their batches read."""
+    sub = Sub(endpoints(d)[0])
+    a, b = Engine(d.socket), _OtherLayout(d.socket)
+    both, only_a = [key(i) for i in range(4)], [key(i) for i in range(4, 6)]
+    a.store(both + only_a)
+    b.store(both)
+    while not sub.quiet():
+        sub.recv()
+    return sub, a, b, both, only_a
+
+
 def test_a_block_another_tenant_on_the_topic_holds_is_not_said_removed(
         events_daemon, capsys):
     """Two tenants of one model share the default topic. Evicting one of them told
     routers the node had lost blocks the other still served; now only what no tenant
     on the topic holds any more is removed."""
-    sub = Sub(endpoints(events_daemon)[0])
-    a, b = Engine(events_daemon.socket), _OtherLayout(events_daemon.socket)
+    sub, a, b, both, only_a = _sharing_a_topic(events_daemon)
     try:
-        both, only_a = [key(i) for i in range(4)], [key(i) for i in range(4, 6)]
-        a.store(both + only_a)
-        b.store(both)
-        while not sub.quiet():
-            sub.recv()
         tenants = events_daemon.status()["tenants"]
         tid_a = next(t["id"] for t in tenants if t["slot_bytes"] == sum(a.spec.pages))
         assert ctl.main(["--socket", events_daemon.socket, "evict", "--tenant",
@@ -600,15 +607,9 @@ def test_a_tenant_dropped_at_the_limit_does_not_remove_what_another_on_its_topic
     d = daemon_factory(*EVENTS, "--config", str(cfg), start=False)
     d.env["KVD_EVENTS_NODE"] = "node-a"
     d.start()
-    sub = Sub(endpoints(d)[0])
-    a, b = Engine(d.socket), _OtherLayout(d.socket)
+    sub, a, b, both, only_a = _sharing_a_topic(d)
     third = None
     try:
-        both, only_a = [key(i) for i in range(4)], [key(i) for i in range(4, 6)]
-        a.store(both + only_a)
-        b.store(both)
-        while not sub.quiet():
-            sub.recv()
         a.close()  # tenant A idles, holding its blocks
         third = Connection(d.socket, name="third", register=m.Register(
             0, fingerprint(Spec(d.socket, model="other")), -1))
