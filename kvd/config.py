@@ -7,11 +7,13 @@ came from; sizes accept suffixes (``512M``, ``4G``, ``1T``).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import stat
 import tomllib
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any, Literal
 
 import msgspec
@@ -98,8 +100,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                                  f"{', '.join(policy_names())}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ValueError(f"socket_mode {self.socket_mode:#o} not in 0..0o777")
-        if self.max_message_bytes < MIN_MESSAGE_BYTES:
-            raise ValueError(f"max_message_bytes must be at least {MIN_MESSAGE_BYTES}")
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes {self.max_message_bytes} not in "
+                             f"{MIN_MESSAGE_BYTES}..{MAX_MESSAGE_BYTES}")
         if self.pool_size < self.extent_size:
             raise ValueError(
                 f"pool_size ({self.pool_size}) is smaller than extent_size ({self.extent_size})"
@@ -125,8 +128,11 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                              f"{{model}} and {{tenant}} ({e})") from None
         if not 1 <= self.max_tenants <= 1 << 20:
             raise ValueError(f"max_tenants {self.max_tenants} not in 1..{1 << 20}")
-        if self.events_hwm < 1:
-            raise ValueError("events_hwm must be at least 1")
+        if not 1 <= self.events_hwm <= INT_MAX:  # ZeroMQ takes it as a C int
+            raise ValueError(f"events_hwm {self.events_hwm} not in 1..{INT_MAX}")
+        if not _host_name(self.metrics_addr):
+            raise ValueError(f"metrics_addr {self.metrics_addr!r}: expected an IP address "
+                             "or a host name")
         if self.disk_path and self.disk_size < self.extent_size:
             raise ValueError(f"disk_size ({self.disk_size}) must hold at least one extent "
                              f"({self.extent_size} bytes) when disk_path is set")
@@ -176,6 +182,18 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 MAX_SIZE = 1 << 60  # bytes: sizes beyond this are typos (the kernel refuses them anyway)
 MIN_MESSAGE_BYTES = 4096  # below this, a Register of an ordinary engine cannot get through
+MAX_MESSAGE_BYTES = 1 << 30  # the daemon's receive limit is twice this (a C int64 either way)
+INT_MAX = (1 << 31) - 1
+_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+
+
+def _host_name(value: str) -> bool:
+    """An IP literal or a name that could resolve (no spaces, ports or schemes)."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return len(value) <= 253 and _HOST_RE.match(value) is not None
 FIELDS = frozenset(Config.__struct_fields__)
 LIST_KEYS = frozenset({"allowed_uids", "allowed_groups", "admin_uids"})
 SIZE_KEYS = frozenset({"pool_size", "extent_size", "min_slot_bytes", "disk_size",
@@ -191,7 +209,10 @@ def parse_size(value: str | int) -> int:
     m = _SIZE_RE.match(str(value))
     if not m:
         raise ValueError(f"not a size: {value!r} (use e.g. 512M, 4G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    size = Fraction(m.group(1)) * _UNITS[m.group(2).upper()]  # exact: no float rounding
+    if size.denominator != 1:
+        raise ValueError(f"not a whole number of bytes: {value!r}")
+    return int(size)
 
 
 def _normalize(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -227,9 +248,14 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     raw = {
         k[4:].lower(): v
         for k, v in environ.items()
-        if k.startswith("KVD_") and k != "KVD_CONFIG"
+        if k.startswith("KVD_") and k != "KVD_CONFIG" and not _SERVICE_LINK.match(k)
     }
     return raw
+
+
+# What Kubernetes puts into every pod of a namespace with a Service named ``kvd`` (its
+# service links): not configuration, and refusing them would stop every pod's restart.
+_SERVICE_LINK = re.compile(r"^KVD_(SERVICE_(HOST|PORT)(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)\w*)?)$")
 
 
 MAX_CONFIG_BYTES = 1 << 20

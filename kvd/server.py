@@ -94,9 +94,9 @@ class Server:
     def _start(self, config: Config) -> None:
         if config.pool_bytes < config.pool_size:
             log.warning("pool_size %d is not a multiple of extent_size %d: the pool is %d "
-                        "bytes (%d MiB unused otherwise)", config.pool_size,
+                        "bytes (%d bytes unused otherwise)", config.pool_size,
                         config.extent_size, config.pool_bytes,
-                        (config.pool_size - config.pool_bytes) >> 20)
+                        config.pool_size - config.pool_bytes)
         with self.lifecycle.preparing(f"preparing pool: {config.pool_bytes >> 20} MiB at "
                                       f"{config.pool_path}", config.pool_bytes):
             self.pool = Pool(config.pool_path, config.pool_bytes, prefault=config.prefault,

@@ -144,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvdctl simulate: {e}", file=sys.stderr)
         return 2
     start = trace.split() if args.second_half else 0
+    if not any(map(len, trace.requests[start:])):  # 0 of 0 is not a hit fraction of 0
+        print(f"kvdctl simulate: {args.trace}: the second half of the trace (from request "
+              f"{start + 1} of {len(trace.requests)}) has no block references to count",
+              file=sys.stderr)
+        return 2
     bar = None
     if sys.stderr.isatty() and trace.block_refs * len(pols) * len(caps) >= LONG_REFS:
         bar = Progress(len(pols) * len(caps))

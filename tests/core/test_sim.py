@@ -130,6 +130,16 @@ def test_cli_refuses_an_empty_or_malformed_trace(
     assert captured.out == "" and why in captured.err
 
 
+def test_cli_refuses_a_second_half_with_nothing_to_count(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It printed hit_fraction 0.0 (0 hits of 0 references) and exited 0."""
+    path = _write(tmp_path, [[1, 2], [], []])
+    assert _run(["simulate", path, "--capacity", "4", "--second-half", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no block references to count" in captured.err
+    assert _run(["simulate", path, "--capacity", "4", "--json"]) == 0
+
+
 def test_cli_refuses_a_missing_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(["simulate", str(tmp_path / "nope.jsonl"), "--capacity", "4"]) == 2
     assert "cannot read the trace" in capsys.readouterr().err

@@ -45,7 +45,11 @@ def test_bad_values_are_rejected_naming_the_key(env, key):
     ({"KVD_DISK_POLICY": "bogus"}, "disk_policy 'bogus'"),
     ({"KVD_POOL_SIZE": "99999999999999999T"}, "pool_size .* more than 1 EiB"),
     ({"KVD_SOCKET_MODE": "99"}, "socket_mode: not an octal mode"),
-    ({"KVD_MAX_MESSAGE_BYTES": "0"}, "max_message_bytes must be at least 4096"),
+    ({"KVD_MAX_MESSAGE_BYTES": "0"}, "max_message_bytes 0 not in 4096.."),
+    # These two passed the load and then failed in ZeroMQ's setsockopt, a traceback.
+    ({"KVD_MAX_MESSAGE_BYTES": str(1 << 62)}, "max_message_bytes .* not in 4096.."),
+    ({"KVD_EVENTS_HWM": str(1 << 31)}, "events_hwm .* not in 1..2147483647"),
+    ({"KVD_METRICS_ADDR": "not an addr"}, "metrics_addr 'not an addr'"),
     ({"KVD_ALLOWED_UIDS": "1000,-1"}, "allowed_uids: -1 is not a uid"),  # matched nobody
     ({"KVD_ADMIN_UIDS": str(1 << 40)}, "admin_uids: .* is not a uid"),
     ({"KVD_EVENTS_TOPIC": "{tenant[0]}"}, "events_topic .* use only"),
@@ -107,8 +111,22 @@ def test_sizes():
     assert parse_size("4G") == 4 << 30
     assert parse_size("1.5K") == 1536
     assert parse_size(123) == 123
-    with pytest.raises(ValueError):
-        parse_size("big")
+    assert parse_size("9007199254740993") == 9007199254740993  # a float rounded it
+    for bad in ("big", "0.3K", "1.5"):  # fractions of a byte were cut without a word
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_a_services_links_are_not_taken_for_configuration():
+    """A Kubernetes Service named kvd puts KVD_SERVICE_HOST, KVD_PORT... into every pod
+    of its namespace; each was an unknown key, and kvd refused to start."""
+    links = {"KVD_SERVICE_HOST": "10.0.0.1", "KVD_SERVICE_PORT": "9727",
+             "KVD_SERVICE_PORT_METRICS": "9727", "KVD_PORT": "tcp://10.0.0.1:9727",
+             "KVD_PORT_9727_TCP": "tcp://10.0.0.1:9727", "KVD_PORT_9727_TCP_ADDR": "10.0.0.1"}
+    cfg, _ = load(None, {**links, "KVD_METRICS_PORT": "9727"})
+    assert cfg.metrics_port == 9727
+    with pytest.raises(ConfigError, match="unknown key 'ports'"):
+        load(None, {"KVD_PORTS": "1"})  # not a link's name: still refused
 
 
 @pytest.mark.parametrize("env,match", [
