@@ -188,7 +188,10 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 
 
 def _host_name(value: str) -> bool:
-    """An IP literal or a name that could resolve (no spaces, ports or schemes)."""
+    """An IP literal or a name that could resolve (no spaces, ports or schemes); empty
+    binds every interface, as it always did."""
+    if not value:
+        return True
     try:
         ipaddress.ip_address(value)
         return True
