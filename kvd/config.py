@@ -182,7 +182,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 MAX_SIZE = 1 << 60  # bytes: sizes beyond this are typos (the kernel refuses them anyway)
 MIN_MESSAGE_BYTES = 4096  # below this, a Register of an ordinary engine cannot get through
-MAX_MESSAGE_BYTES = 1 << 30  # the daemon's receive limit is twice this (a C int64 either way)
+MAX_MESSAGE_BYTES = 1 << 30  # the daemon's socket takes twice this (MAXMSGSIZE, an int64)
 INT_MAX = (1 << 31) - 1
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 
@@ -197,6 +197,8 @@ def _host_name(value: str) -> bool:
         return True
     except ValueError:
         return len(value) <= 253 and _HOST_RE.match(value) is not None
+
+
 FIELDS = frozenset(Config.__struct_fields__)
 LIST_KEYS = frozenset({"allowed_uids", "allowed_groups", "admin_uids"})
 SIZE_KEYS = frozenset({"pool_size", "extent_size", "min_slot_bytes", "disk_size",
