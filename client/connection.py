@@ -195,6 +195,9 @@ class Connection(Shared):
                     self.on_done(m.Done(msg.req, msg.event, m.Code.CLIENT_GONE,
                                         "connection closed"))
             os.close(self._wake)
+        if self._thread.is_alive():  # stuck: term() would wait for its socket for ever
+            log.warning("kvd client I/O thread did not stop; leaving its socket open")
+            return
         self._ctx.term()
 
     def __enter__(self) -> Connection:
@@ -211,10 +214,17 @@ class Connection(Shared):
         a callback on the caller's thread). With ``wait``, receive the reply here too,
         for up to that long."""
         # A caller that will wait for its reply anyway may wait for the lock as long.
-        locked = self._lock.acquire(timeout=wait) if wait > 0 else self._lock.acquire(False)
-        if not locked:
-            return False
+        # An exception from a signal handler (Ctrl-C) can land right after the acquire,
+        # before ``locked`` is set: the lock is released by who holds it, not by
+        # ``locked`` alone, or the I/O thread would wait for it for ever. (Handlers run
+        # on the main thread only; ``held``: re-entered from a callback on this thread.)
+        held = self._lock._is_owned()  # type: ignore[attr-defined]
+        locked = False
         try:
+            locked = (self._lock.acquire(timeout=wait) if wait > 0
+                      else self._lock.acquire(False))
+            if not locked:
+                return False
             io = self._io
             if self._closed and fut is not None:  # (close() may have looked at the queue)
                 fut.set_exception(Unavailable("kvd connection closed"))
@@ -222,8 +232,11 @@ class Connection(Shared):
             if (self._closed or io.phase != "up" or not self._outbox.empty()
                     or (instance and instance != self.instance) or io.in_flight_req(msg.req)):
                 return False
-            if not io.raw_send(msg):
-                return False
+            try:
+                if not io.raw_send(msg):
+                    return False
+            except Exception:  # noqa: BLE001 - cannot be encoded: the I/O thread fails
+                return False  # it once queued, as it does any message it cannot send
             if fut is not None:  # (its reply waits for the lock, held here)
                 fut.set_running_or_notify_cancel()  # new: cannot have been cancelled
             io.track(msg, fut)
@@ -233,7 +246,8 @@ class Connection(Shared):
                 self._wakeup()
             return True
         finally:
-            self._lock.release()
+            if locked or (not held and self._lock._is_owned()):  # type: ignore[attr-defined]
+                self._lock.release()
 
     def _queue(self, item: tuple[m.Request, Future | None, str]) -> bool:
         """Hand a message to the I/O thread; False (nothing queued, counted as

@@ -458,6 +458,74 @@ def test_a_queued_message_that_cannot_be_encoded_ends_alone(tmp_path):
         t.join(5)
 
 
+def test_a_message_that_cannot_be_encoded_fails_typed_on_the_callers_thread_too(daemon):
+    """Sent on the caller's thread (the I/O thread idle), the encoding error left as a
+    raw OverflowError; queued, the same message failed as Unavailable."""
+    dones: list[m.Done] = []
+    c = Connection(daemon.socket, timeout=2, on_done=dones.append)
+    try:
+        assert c.wait_up(5)
+        with pytest.raises(Unavailable, match="cannot send Lookup"):
+            c.request(m.Lookup(c.next_req(), [b"k"], 2**70))  # no u64
+        assert c.send(m.Transfer(c.next_req(), 7, m.Direction.LOAD, b"", b"", ticket=2**70))
+        assert wait_for(lambda: [d.event for d in dones] == [7], 5)
+        assert dones[0].code == m.Code.CLIENT_GONE
+        assert c.request(m.Ping(c.next_req())) is not None  # and the connection goes on
+    finally:
+        c.close()
+
+
+class _InterruptedAfterAcquire:
+    """The connection's lock, where a signal handler's exception lands right after an
+    acquire that succeeded (as Ctrl-C can, once the C call returned)."""
+
+    def __init__(self, lock) -> None:
+        self.lock = lock
+        self.armed = True
+
+    def acquire(self, *args, **kwargs) -> bool:
+        got = self.lock.acquire(*args, **kwargs)
+        if got and self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return got
+
+    def __getattr__(self, name: str):
+        return getattr(self.lock, name)
+
+
+def test_an_interrupt_right_after_the_lock_was_taken_leaves_it_free(daemon):
+    """The lock stayed held by the interrupted caller: the I/O thread waited for it for
+    ever, no call or Done got through again, and close() hung in term()."""
+    c = Connection(daemon.socket, timeout=2)
+    try:
+        assert c.wait_up(5)
+        lock = c._lock
+        c._lock = _InterruptedAfterAcquire(lock)
+        with pytest.raises(KeyboardInterrupt):
+            c.request(m.Ping(c.next_req()))
+        c._lock = lock
+        done: list[object] = []
+        t = threading.Thread(target=lambda: done.append(c.request(m.Ping(c.next_req()))))
+        t.start()  # another thread: it would wait on a lock held by this one
+        t.join(5)
+        assert done and isinstance(done[0], m.Ok)
+    finally:
+        c.close()
+
+
+def test_close_returns_while_the_io_thread_is_stuck(daemon):
+    """term() waited for the stuck thread's socket for ever: the engine never exited."""
+    c = Connection(daemon.socket, timeout=2)
+    assert c.wait_up(5)
+    with io_thread_held(c):
+        t0 = time.monotonic()
+        closer = threading.Thread(target=c.close, daemon=True)
+        closer.start()
+        closer.join(15)
+        assert not closer.is_alive() and time.monotonic() - t0 < 10
+
+
 def test_a_send_that_races_close_is_refused_not_lost(daemon):
     """close() ran between a send's check and its queueing (another thread): the
     Transfer was queued after close() had ended the queue, got no Done ever, and its
