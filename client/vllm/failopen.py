@@ -10,8 +10,10 @@ recompute). Code below the hooks raises typed errors only.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
@@ -43,6 +45,7 @@ class Boundary:
         self.counts: Counter[str] = Counter()
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
+        _LIVE.add(self)
 
     def count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -69,3 +72,16 @@ class Boundary:
         except Exception as e:  # noqa: BLE001 - the one boundary: vLLM must keep serving
             self.note(hook, cause_of(e), e)
             return fallback()
+
+
+_LIVE: weakref.WeakSet[Boundary] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A fork while the parent's I/O thread counted under a boundary's lock leaves it
+    held in the child, where no thread will release it: every hook would hang there."""
+    for boundary in list(_LIVE):
+        boundary._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

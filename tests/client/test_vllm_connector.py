@@ -38,6 +38,7 @@ from kvd_client.vllm.fingerprint import (  # noqa: E402
     make_fingerprint,
     split_pages,
 )
+from kvd_client.vllm.failopen import Boundary  # noqa: E402
 from kvd_client.vllm.idle import IdleFlush  # noqa: E402
 from kvd_client.vllm.manager import KvdManager  # noqa: E402
 from kvd_client.vllm.spec import KvdOptions, KvdSlots  # noqa: E402
@@ -867,6 +868,34 @@ def test_a_step_within_the_idle_time_leaves_the_stores_to_vllm(engine_side):
         assert [r.job_id for r in worker.get_finished()] == [42]  # one Done: sent once
     finally:
         flush.close()
+
+
+def test_a_fork_child_never_blocks_on_a_boundary_lock_the_parent_held():
+    """The parent's I/O thread counts under a boundary's lock (an Allocate reply, a
+    Done): forked at that moment, every hook in the child hung on it."""
+    boundary = Boundary("scheduler")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with boundary._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on, only an exit code
+        try:
+            boundary.count("lookup.unavailable")
+            boundary.note("lookup", "unavailable")
+        finally:
+            os._exit(0)
+    try:
+        assert child_exit(pid, 10) == 0  # None: it hung on the lock
+    finally:
+        release.set()
+        t.join()
 
 
 def test_a_fork_child_of_an_engine_never_blocks_on_the_flush_lock():
