@@ -696,6 +696,12 @@ class DiskModel(RuleBasedStateMachine):
         assert st_["bytes"] <= st_["capacity_bytes"] == 2 << 16
         assert os.path.getsize(os.path.join(self.dir, DATA_FILE)) == 2 << 16
 
+    @invariant()
+    def slots_name_their_blocks(self) -> None:
+        """The slot -> key map that emptying an extent reads agrees with the index."""
+        t = self.tier
+        assert t._slot_key == {p.slot: k for k, p in t._entries.items()}
+
 
 DiskModel.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
                                        deadline=None,
