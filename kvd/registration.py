@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from kvd.engines.base import TransferEngine
+from kvd.engines.host import check_owner
 from kvd.errors import KvdError, RequestError
 from kvd.transfers import Client
 from kvd_proto import messages as m
@@ -59,6 +60,8 @@ def attach_memory(engines: dict[str, TransferEngine], client: Client,
             "another PID namespace?): the host data path copies by pid and needs one the "
             "kernel vouches for. Fix: run the engine in the daemon's PID namespace "
             "(docker --pid=host, Kubernetes hostPID: true)", m.Code.PERMISSION)
+    if kind == "host":  # the process at that pid is one the client's uid may access
+        check_owner(client.peer_pid, client.uid)
     engine = engines.get(kind)
     if engine is None:
         raise RequestError(f"this daemon has no {kind} data path"

@@ -355,7 +355,7 @@ class Transfers:
         deadline = msg.deadline_ns / 1e9 if msg.deadline_ns else math.inf
         job = CopyJob(client.id, msg.event, msg.req, msg.direction, client.pid, pool.ravel(),
                       remote.ravel(), lengths.ravel().copy(), slots, msg.cuda_event,
-                      deadline)
+                      deadline, uid=client.uid)
         if self.config.checksums:
             share = (slot_off + rank_off).astype(np.int64)
             if msg.direction == m.Direction.STORE:

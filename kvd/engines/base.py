@@ -54,6 +54,7 @@ class CopyJob:
     checksum: ChecksumSpec | None = None  # store: hash after; load: verify before
     checksums: list[int] | None = None  # set by the engine after a store
     corrupt: list[int] | None = None  # set by ``verify_then``: job indexes of bad blocks
+    uid: int = -1  # the client's uid (the kernel's word): host copies check ``pid`` is its
 
     @property
     def nbytes(self) -> int:

@@ -81,6 +81,29 @@ def vm_copy(direction: Direction, pid: int, pool: np.ndarray, remote: np.ndarray
     return done
 
 
+def check_owner(pid: int, uid: int) -> None:
+    """Refuse to copy with ``pid`` unless ``uid`` could do it itself. The daemon copies
+    with CAP_SYS_PTRACE, which passes the kernel's own checks; and the pid is where the
+    client's socket was opened, which may since have exec'd another program (a setuid
+    one) or been handed to another process. The files in ``/proc/<pid>/`` belong to the
+    process's effective uid while it is dumpable, and to root once it is not (a setuid
+    exec, a setuid() without an exec, a prctl): owned by ``uid``, it is a process ``uid``
+    may debug (the directory itself may keep its first owner). Root may copy with any.
+    Checked before every copy call, so an exec is caught at the next chunk (a complete
+    guard would copy with the client's own credentials)."""
+    if uid == 0:
+        return
+    try:
+        owner = os.stat(f"/proc/{pid}/status").st_uid
+    except FileNotFoundError:
+        raise TransferError(f"client process {pid} is gone", Code.CLIENT_GONE) from None
+    if owner != uid:
+        raise TransferError(
+            f"process {pid} is not one uid {uid} may access (its /proc entry belongs to uid "
+            f"{owner}: another user's process, or one that is not dumpable, e.g. setuid): "
+            "kvd copies only with the client's own process", Code.PERMISSION)
+
+
 def _os_error(err: int, pid: int) -> TransferError:
     if err == errno.EPERM:
         return TransferError(
@@ -239,6 +262,8 @@ class HostEngine(TransferEngine):
                     self._q.put(job.client, [_Chunk(job, lo, hi, st) for lo, hi in st.bounds])
             elif err is None and chunk.hi > chunk.lo:
                 try:
+                    if job.uid >= 0:
+                        check_owner(job.pid, job.uid)
                     vm_copy(job.direction, job.pid, job.pool[chunk.lo:chunk.hi],
                             job.remote[chunk.lo:chunk.hi], job.lengths[chunk.lo:chunk.hi],
                             job.deadline)

@@ -241,3 +241,96 @@ def test_a_hung_client_is_dropped_after_its_heartbeats_stop(daemon_factory):
     finally:
         w.close()
         s.close()
+
+
+def _register_as(uid: int, gid: int, socket: str, dumpable: bool, out) -> None:
+    """In a forked child: drop to ``uid``, dumpable or not (as after a setuid exec),
+    and register host memory; report the reply."""
+    import ctypes
+
+    import numpy as np
+    import zmq
+
+    from tests.daemon.workers import Spec, fingerprint
+
+    try:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        # setuid() without an exec leaves a process not dumpable; an engine exec'd as
+        # its user is (PR_SET_DUMPABLE, 4).
+        assert ctypes.CDLL(None, use_errno=True).prctl(4, int(dumpable), 0, 0, 0) == 0
+        buf = np.zeros(4 * 4096, np.uint8)
+        s = zmq.Context().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"ipc://{socket}")
+        region = m.HostRegion(buf.ctypes.data, 4, 4096, 4096)
+        replies = []
+        for msg in (hello(1), m.Register(2, fingerprint(Spec(socket, pages=(4096,))), 0,
+                                         [region])):
+            s.send(m.encode(msg))
+            replies.append(m.decode_reply(s.recv()) if s.poll(5000) else None)
+        out.send(("ok", replies))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.send(("error", repr(e)))
+
+
+@pytest.mark.parametrize("dumpable", [True, False])
+def test_memory_of_a_process_its_uid_may_not_access_is_never_copied(daemon_factory,
+                                                                     other_user, dumpable):
+    """The daemon copies with CAP_SYS_PTRACE, past the kernel's checks, at the pid where
+    the client's socket was opened: exec'ing a setuid program there (not dumpable, not
+    the client's to debug) made kvd read and write that program's memory for it."""
+    uid, gid = other_user
+    d = reachable_daemon(daemon_factory, {"KVD_ALLOWED_UIDS": str(uid)})
+    open_socket(d)
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_register_as, args=(uid, gid, d.socket, dumpable, child))
+    p.start()
+    assert parent.poll(20), "child did not answer"
+    result = parent.recv()
+    p.join(10)
+    assert result[0] == "ok", result
+    hello_ok, reply = result[1]
+    assert isinstance(hello_ok, m.HelloOk)
+    if dumpable:
+        assert isinstance(reply, m.Registered), reply
+    else:
+        assert isinstance(reply, m.Error) and reply.code == m.Code.PERMISSION, reply
+        assert "not dumpable" in reply.message
+
+
+def test_the_copy_threads_check_the_process_before_every_copy():
+    """Registered, a client's process may exec a setuid program later: each copy checks
+    the process is still one the client's uid may access."""
+    import threading
+
+    import numpy as np
+
+    from kvd.engines.base import CopyJob
+    from kvd.engines.host import HostEngine
+
+    done: dict[int, Exception | None] = {}
+    finished = threading.Event()
+
+    def on_done(job: CopyJob, error: Exception | None, seconds: float) -> None:
+        done[job.event] = error
+        if len(done) == 2:
+            finished.set()
+
+    src, dst = np.full(4096, 7, np.uint8), np.zeros(4096, np.uint8)
+    engine = HostEngine(on_done, threads=1)
+    try:
+        for event, uid in ((1, 12345), (2, os.geteuid())):  # /proc/self/* is root's
+            engine.submit(CopyJob(1, event, event, m.Direction.LOAD, os.getpid(),
+                                  np.array([src.ctypes.data], np.uint64),
+                                  np.array([dst.ctypes.data], np.uint64),
+                                  np.array([4096], np.uint64), np.arange(1), uid=uid))
+            assert wait_for(lambda: event in done, 10)
+            if event == 1:
+                assert not dst.any()  # nothing copied
+        assert getattr(done[1], "code", None) == m.Code.PERMISSION
+        assert done[2] is None and (dst == 7).all()
+    finally:
+        engine.close()
