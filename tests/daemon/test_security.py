@@ -334,3 +334,25 @@ def test_the_copy_threads_check_the_process_before_every_copy():
         assert done[2] is None and (dst == 7).all()
     finally:
         engine.close()
+
+
+def test_a_client_process_that_exited_is_gone_not_foreign():
+    """An exited, unreaped process's /proc files are root's, as a setuid one's are: its
+    copies end CLIENT_GONE (as the system call's ESRCH said before), not PERMISSION."""
+    from kvd.engines.host import check_owner
+    from kvd.errors import TransferError
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        assert wait_for(lambda: open(f"/proc/{pid}/stat", "rb").read().rpartition(b")")[2]
+                        .split()[0] == b"Z", 5)
+        with pytest.raises(TransferError) as e:
+            check_owner(pid, 12345)
+        assert e.value.code == m.Code.CLIENT_GONE
+        with pytest.raises(TransferError) as e:
+            check_owner(os.getpid(), 12345)  # alive, and root's: not that uid's
+        assert e.value.code == m.Code.PERMISSION
+    finally:
+        os.waitpid(pid, 0)
