@@ -184,7 +184,7 @@ MAX_SIZE = 1 << 60  # bytes: sizes beyond this are typos (the kernel refuses the
 MIN_MESSAGE_BYTES = 4096  # below this, a Register of an ordinary engine cannot get through
 MAX_MESSAGE_BYTES = 1 << 30  # the daemon's socket takes twice this (MAXMSGSIZE, an int64)
 INT_MAX = (1 << 31) - 1
-_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?$")
 
 
 def _host_name(value: str) -> bool:

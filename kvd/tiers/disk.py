@@ -248,7 +248,8 @@ class DiskTier(Tier):
         spm = alloc.slots_per_extent_max
         keys: list[bytes] = []
         for e in alloc.other_extents(slot_bytes):
-            held = list(filter(None, map(slot_key.get, range(e * spm, (e + 1) * spm))))
+            per = alloc.per_extent(alloc.slot_bytes_of(e * spm) or slot_bytes)
+            held = list(filter(None, map(slot_key.get, range(e * spm, e * spm + per))))
             if len(held) != alloc.used_in(e):
                 continue
             keys += held
