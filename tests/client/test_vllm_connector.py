@@ -870,14 +870,13 @@ def test_a_step_within_the_idle_time_leaves_the_stores_to_vllm(engine_side):
         flush.close()
 
 
-def test_a_fork_child_never_blocks_on_a_boundary_lock_the_parent_held():
-    """The parent's I/O thread counts under a boundary's lock (an Allocate reply, a
-    Done): forked at that moment, every hook in the child hung on it."""
-    boundary = Boundary("scheduler")
+def _forked_while_held(held_by_other, in_child) -> None:
+    """Fork while another thread is inside ``held_by_other()`` (a context manager); the
+    child runs ``in_child()`` and must end (not hang on what the other thread held)."""
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with boundary._lock:
+        with held_by_other():
             held.set()
             release.wait(10)
 
@@ -887,8 +886,7 @@ def test_a_fork_child_never_blocks_on_a_boundary_lock_the_parent_held():
     pid = os.fork()
     if pid == 0:  # the child: no pytest from here on, only an exit code
         try:
-            boundary.count("lookup.unavailable")
-            boundary.note("lookup", "unavailable")
+            in_child()
         finally:
             os._exit(0)
     try:
@@ -896,35 +894,33 @@ def test_a_fork_child_never_blocks_on_a_boundary_lock_the_parent_held():
     finally:
         release.set()
         t.join()
+
+
+def test_a_fork_child_never_blocks_on_a_boundary_lock_the_parent_held():
+    """The parent's I/O thread counts under a boundary's lock (an Allocate reply, a
+    Done): forked at that moment, every hook in the child hung on it."""
+    boundary = Boundary("scheduler")
+
+    def in_child() -> None:
+        boundary.count("lookup.unavailable")
+        boundary.note("lookup", "unavailable")
+
+    _forked_while_held(lambda: boundary._lock, in_child)
 
 
 def test_a_fork_child_of_an_engine_never_blocks_on_the_flush_lock():
     """Forked while another thread held the lock: the child's hooks and close go on."""
     cw = types.SimpleNamespace(worker=None, _unsubmitted_store_jobs=[])
     flush = IdleFlush(cw, idle_s=60)
-    held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
+    def in_child() -> None:
         with flush.step():
-            held.set()
-            release.wait(10)
+            pass
+        flush.close()
 
-    t = threading.Thread(target=hold)
-    t.start()
-    assert held.wait(5)
-    pid = os.fork()
-    if pid == 0:  # the child: no pytest from here on, only an exit code
-        try:
-            with flush.step():
-                pass
-            flush.close()
-        finally:
-            os._exit(0)
     try:
-        assert child_exit(pid, 10) == 0  # None: it hung on the lock
+        _forked_while_held(flush.step, in_child)
     finally:
-        release.set()
-        t.join()
         flush.close()
 
 
