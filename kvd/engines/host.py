@@ -89,8 +89,9 @@ def check_owner(pid: int, uid: int) -> None:
     process's effective uid while it is dumpable, and to root once it is not (a setuid
     exec, a setuid() without an exec, a prctl): owned by ``uid``, it is a process ``uid``
     may debug (the directory itself may keep its first owner). Root may copy with any.
-    Checked before every copy call, so an exec is caught at the next chunk (a complete
-    guard would copy with the client's own credentials)."""
+    Checked before and after every copy call: a store that read across an exec is not
+    kept; a load's write in that window is the one gap left (a complete guard would
+    copy with the client's own credentials)."""
     if uid == 0:
         return
     try:
@@ -280,6 +281,8 @@ class HostEngine(TransferEngine):
                     vm_copy(job.direction, job.pid, job.pool[chunk.lo:chunk.hi],
                             job.remote[chunk.lo:chunk.hi], job.lengths[chunk.lo:chunk.hi],
                             job.deadline)
+                    if job.uid >= 0:  # an exec during the copy: a store read is not kept
+                        check_owner(job.pid, job.uid)
                 except Exception as e:  # noqa: BLE001 - reported to the client as Done
                     err = e
             with self._lock:

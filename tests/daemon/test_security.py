@@ -356,3 +356,42 @@ def test_a_client_process_that_exited_is_gone_not_foreign():
         assert e.value.code == m.Code.PERMISSION
     finally:
         os.waitpid(pid, 0)
+
+
+def test_a_copy_during_which_the_process_changed_hands_fails(monkeypatch):
+    """The process may exec a setuid program between the check and the copy call: it is
+    checked again after the copy, so a store that read such a process is not kept."""
+    import threading
+
+    import numpy as np
+
+    from kvd.engines import host
+    from kvd.engines.base import CopyJob
+
+    copy, copied = host.vm_copy, threading.Event()
+
+    def copy_then_exec(*args, **kwargs) -> int:
+        n = copy(*args, **kwargs)
+        copied.set()  # from here on the process is another user's
+        return n
+
+    real_check = host.check_owner
+
+    def check(pid: int, uid: int) -> None:  # ours until the copy, another uid's after
+        if copied.is_set():
+            real_check(pid, 12345)
+
+    monkeypatch.setattr(host, "vm_copy", copy_then_exec)
+    monkeypatch.setattr(host, "check_owner", check)
+    done: list = []
+    src, dst = np.full(4096, 7, np.uint8), np.zeros(4096, np.uint8)
+    engine = host.HostEngine(lambda job, error, s: done.append(error), threads=1)
+    try:
+        engine.submit(CopyJob(1, 1, 1, m.Direction.STORE, os.getpid(),
+                              np.array([dst.ctypes.data], np.uint64),
+                              np.array([src.ctypes.data], np.uint64),
+                              np.array([4096], np.uint64), np.arange(1), uid=12345))
+        assert wait_for(lambda: done, 10)
+        assert copied.is_set() and getattr(done[0], "code", None) == m.Code.PERMISSION
+    finally:
+        engine.close()
