@@ -97,13 +97,13 @@ def check_owner(pid: int, uid: int) -> None:
     try:
         owner = os.stat(f"/proc/{pid}/status").st_uid
     except FileNotFoundError:
-        raise TransferError(f"client process {pid} is gone", Code.CLIENT_GONE) from None
+        raise _os_error(errno.ESRCH, pid) from None
     except OSError as e:  # /proc mounted with hidepid, say: no copy we cannot vouch for
         raise TransferError(f"cannot look at process {pid} in /proc ({e.strerror}): kvd "
                             "copies only with a process it can check", Code.PERMISSION) from None
     if owner != uid:
         if _exited(pid):  # a zombie's files are root's too: gone, not foreign
-            raise TransferError(f"client process {pid} is gone", Code.CLIENT_GONE)
+            raise _os_error(errno.ESRCH, pid)
         raise TransferError(
             f"process {pid} is not one uid {uid} may access (its /proc entry belongs to uid "
             f"{owner}: another user's process, or one that is not dumpable, e.g. setuid): "
