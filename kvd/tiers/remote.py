@@ -165,11 +165,12 @@ class RedisTier(Tier):
             chunk = keys[start:end]
             nbytes = sum(memoryview(o).nbytes for o in outs[start:end])
             try:
-                values = self._call("get_into", [("GET", _name(ns, k)) for k in chunk], nbytes)
+                replies = self._call("get_into", self._reads(ns, chunk), nbytes)
             except TierError:
                 if run:  # the batches read and verified before stay good
                     return run
                 raise
+            values = replies[::2] if self.ttl_s else replies  # (not the EXPIREs')
             got = 0
             for key, value, out in zip(chunk, values, outs[start:start + len(chunk)]):
                 if not isinstance(value, bytes):  # missing, a per-key error, master down
@@ -186,6 +187,17 @@ class RedisTier(Tier):
             if got < len(chunk):
                 break
         return run
+
+    def _reads(self, ns: bytes, keys: Sequence[bytes]) -> list[Command]:
+        """A GET per key, each followed by an EXPIRE when blocks have a TTL: a block
+        the fleet keeps reading stays (blocks promoted from here are not written back,
+        so nothing else renews it). Not GETEX: that needs Redis 6.2, and a server that
+        refuses writes (MISCONF, NOREPLICAS) would refuse the read too; a failed EXPIRE
+        costs only the renewal."""
+        names = [_name(ns, k) for k in keys]
+        if not self.ttl_s:
+            return [("GET", n) for n in names]
+        return [cmd for n in names for cmd in (("GET", n), ("EXPIRE", n, self.ttl_s))]
 
     def connect(self) -> None:
         """Discover the cluster's topology now, so the first Lookup does not pay for it."""

@@ -128,6 +128,26 @@ def test_a_ttl_is_set_unless_zero(redis_cluster, raw):
     assert raw.pttl(_key(ns, b"forever0")) == -1  # exists, no TTL
 
 
+def test_a_block_read_has_its_ttl_renewed(redis_cluster, raw):
+    """Blocks promoted from the cluster are not written back, so a read renews the TTL:
+    a block the fleet keeps reading does not expire a day after it was written."""
+    ns, blocks = _ns(), _blocks(6, prefix="read")
+    keys = [b.key for b in blocks]
+    with closing(RedisTier(redis_cluster.url, ttl_s=60, max_batch=4)) as t:
+        assert t.put(ns, blocks) == 6
+        for k in keys:  # as if written long ago
+            raw.pexpire(_key(ns, k), 5_000)
+        outs = _outs(6)
+        assert t.get_into(ns, keys[:5], outs) == 5  # two batches
+        assert all(np.array_equal(o, b.data) for o, b in zip(outs[:5], blocks))
+        assert all(raw.pttl(_key(ns, k)) > 50_000 for k in keys[:5])
+        assert 0 < raw.pttl(_key(ns, keys[5])) <= 5_000  # not read: not renewed
+    with closing(RedisTier(redis_cluster.url, ttl_s=0)) as t:
+        assert t.put(ns, _blocks(2, prefix="forever")) == 2
+        assert t.get_into(ns, [b"forever0", b"forever1"], _outs(2)) == 2
+        assert raw.pttl(_key(ns, b"forever0")) == -1  # still no TTL
+
+
 def test_a_corrupt_value_ends_the_run_and_is_forgotten(tier, redis_cluster, raw):
     ns = _ns()
     blocks = [TierBlock(f"c{i}".encode(), i, np.full(SIZE, ord("A") + i, np.uint8))
@@ -520,7 +540,7 @@ def test_a_round_trip_carries_at_most_max_batch_bytes(redis_server, monkeypatch)
         sent.clear()
         outs = _outs(10)
         assert t.get_into(ns, [b.key for b in blocks], outs) == 10
-        assert sent == [3, 3, 3, 1]
+        assert sent == [6, 6, 6, 2]  # a GET and an EXPIRE per block, in the same trips
         assert all(np.array_equal(o, b.data) for o, b in zip(outs, blocks))
 
 
