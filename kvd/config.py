@@ -189,7 +189,7 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?$")
 
 def _host_name(value: str) -> bool:
     """An IP literal or a name that could resolve (no spaces, ports or schemes); empty
-    binds every interface, as it always did."""
+    binds every interface (IPv4)."""
     if not value:
         return True
     try:

@@ -279,6 +279,7 @@ class Metrics:
         """
         if port <= 0:
             return ""
+        addr = addr or "0.0.0.0"  # every interface (prometheus-client cannot bind "")
         try:
             self._server, _ = start_http_server(port, addr, registry=self.registry)
         except OSError as e:

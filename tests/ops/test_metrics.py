@@ -153,6 +153,20 @@ def test_an_ipv6_endpoint_is_named_by_a_url_that_works():
         metrics.close()
 
 
+def test_an_empty_address_serves_on_every_interface():
+    """``metrics_addr = ""`` passes the config check (every interface) but reached
+    prometheus-client as is, which cannot bind it: no endpoint, a log line only."""
+    metrics = Metrics(lambda: ({}, 0.0), CollectorRegistry())
+    port = free_port()
+    address = metrics.serve("", port)
+    try:
+        assert address == f"http://0.0.0.0:{port}/metrics"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert b"kvd_status_age_seconds" in r.read()
+    finally:
+        metrics.close()
+
+
 def test_snapshot_falls_back_when_the_loop_does_not_run():
     loop = asyncio.new_event_loop()  # never run: like a hung event loop
     snap = LoopSnapshot(loop, lambda: {"taken": True}, timeout=0.1)
