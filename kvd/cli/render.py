@@ -26,8 +26,15 @@ def duration(seconds: float) -> str:
     return (f"{d}d{h}h" if d else f"{h}h{mi}m" if h else f"{mi}m{s}s" if mi else f"{s}s")
 
 
+def printable(text: str) -> str:
+    """``text`` safe for an operator's terminal: model and client names come from
+    clients, and a newline or an escape sequence in one would forge table rows or drive
+    the terminal (its title, the screen). Escaped as Python writes it, so it still reads."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def table(rows: list[list[Any]], header: list[str]) -> str:
-    cells = [header] + [[str(c) for c in r] for r in rows]
+    cells = [header] + [[printable(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 

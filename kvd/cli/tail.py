@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from kvd.cli.admin import EXIT_FAIL, EXIT_OK, EXIT_USAGE, AdminClient, fetch_status
+from kvd.cli.render import printable
 from kvd.events import BlockRemoved, BlockStored, decode
 
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "[::]": "[::1]"}
@@ -47,7 +48,7 @@ def _hash(h: int | bytes | None) -> Any:
 
 
 def _text(topic: str, seq: int, ev: Any) -> str:
-    name = type(ev).__name__
+    name, topic = type(ev).__name__, printable(topic)  # (a topic names a client's model)
     if isinstance(ev, BlockStored):
         parent = "" if ev.parent_block_hash is None else f" parent {_hash(ev.parent_block_hash)}"
         return (f"{topic} #{seq} {name} {len(ev.block_hashes)} blocks ({ev.medium}, "

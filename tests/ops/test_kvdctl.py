@@ -121,6 +121,40 @@ def test_human_output(busy_daemon, capsys):
     assert rc == 0 and out == "flushed 8 blocks; 0 in use kept\n"
 
 
+def test_names_from_clients_cannot_forge_rows_or_drive_the_terminal(daemon, capsys):
+    """A model or client name with a newline or an escape sequence went to the
+    operator's terminal as it was: a forged row in ``tenants``, a screen cleared."""
+    model = "tiny\nTENANT 9 admin-approved\x1b]0;title\x07\x1b[2J"
+    spec = Spec(daemon.socket, model=model)
+    sched = Connection(daemon.socket, name="sched\x1b[31m\r", timeout=10,
+                       register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert sched.wait_up(10)
+        for command in ("tenants", "clients", "top"):
+            argv = ("--socket", daemon.socket, command) + (
+                ("--iterations", "1") if command == "top" else ())
+            rc, out, _ = run(capsys, *argv)
+            assert rc == 0 and "\x1b" not in out and "\x07" not in out and "\r" not in out
+            assert "tiny\\nTENANT 9" in out or command == "clients", out
+            assert "sched\\x1b[31m\\r" in out or command == "tenants", out
+            # every row is a header or starts with an id: none made up by a name
+            assert not [ln for ln in out.splitlines() if ln.startswith("TENANT 9")], out
+        rc, out, _ = run(capsys, "--socket", daemon.socket, "tenants")
+        assert len(out.splitlines()) == 2, out  # the header and the one tenant
+        rc, out, _ = run(capsys, "--socket", daemon.socket, "tenants", "--json")
+        assert json.loads(out)["tenants"][0]["model"] == model  # JSON keeps it exact
+    finally:
+        sched.close()
+
+
+def test_kvdctl_events_escapes_a_topic_named_after_a_clients_model():
+    from kvd.cli.tail import _text
+    from kvd.events import AllBlocksCleared
+
+    line = _text("kv@node@tiny\n2026 fake\x1b[2J", 7, AllBlocksCleared())
+    assert line == "kv@node@tiny\\n2026 fake\\x1b[2J #7 AllBlocksCleared"
+
+
 def test_error_reply_exits_1(busy_daemon, capsys):
     rc, _, err = run(capsys, "--socket", busy_daemon.socket, "evict", "--tenant", "999")
     assert rc == 1 and "no tenant 999" in err
