@@ -65,7 +65,7 @@ class Service:
         self.send = send
         self.clock = clock
         self.instance = uuid.uuid4().hex
-        self.started = time.time()
+        self.started = time.monotonic()
         self._last_tick = clock()
         self.index = new_index(config)
         self.policy_name = self.index.policy.name

@@ -25,7 +25,7 @@ class Sources:
     """What the status document is built from (read on the loop, never kept)."""
 
     instance: str
-    started: float  # wall-clock start, for uptime
+    started: float  # time.monotonic() at start: uptime stays true when the clock is set
     policy_name: str
     pool: Pool
     index: Index
@@ -45,7 +45,7 @@ def status_document(svc: Sources) -> dict:
         "version": m.PROTOCOL_VERSION,
         "instance": svc.instance,
         "pid": os.getpid(),
-        "uptime_s": round(time.time() - svc.started, 3),
+        "uptime_s": round(time.monotonic() - svc.started, 3),
         "policy": svc.policy_name,
         "policy_state": ix.policy.describe(),
         "pool": {

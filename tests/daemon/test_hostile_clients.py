@@ -396,3 +396,13 @@ def test_slot_ids_of_an_abort_or_release_are_capped_as_a_transfers(service, make
     reply = service.handle(b"w", peer, make(pack_u32([0] * 65)))  # max_keys_per_request 64
     assert isinstance(reply, m.Error) and reply.code == m.Code.BAD_IDS
     assert "65 slot ids" in reply.message
+
+
+def test_uptime_does_not_follow_the_wall_clock_back(service, monkeypatch):
+    """Uptime came from the wall clock: setting the clock back an hour (NTP stepping a
+    node's clock at boot) made it negative in status and in kvd_uptime_seconds."""
+    import time
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    assert 0 <= service.status()["uptime_s"] < 600
