@@ -104,6 +104,20 @@ class Allocator:
         """Slots of ``extent`` in use (allocated or claimed, not freed)."""
         return self._extent_used[extent]
 
+    def whole_extents(self, slots: list[int], at_most: int) -> set[int]:
+        """Up to ``at_most`` extents each of whose slots in use is one of ``slots`` (a
+        policy's victims in order, coldest first), those whose last slot in ``slots``
+        comes earliest first: emptying one loses only blocks that order would drop
+        first anyway."""
+        ids = np.array(slots, dtype=np.int64) // self.slots_per_extent_max
+        ext, where, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        last = np.zeros(len(ext), dtype=np.int64)
+        np.maximum.at(last, where, np.arange(len(ids)))
+        order = np.argsort(last, kind="stable")
+        whole = [e for e, c in zip(ext[order].tolist(), counts[order].tolist())
+                 if c == self._extent_used[e]]
+        return set(whole[:at_most])
+
     def slot_bytes_array(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's size (0: its extent serves no size class), for whole batches."""
         return self._extent_slot_bytes[slots // self.slots_per_extent_max]

@@ -82,12 +82,17 @@ class Evictor:
         policy, allocator = ix.policy, ix.allocator
         if allocator.size_classes == 1 and not ix._pin_calls:  # any will do
             return self._evict_keys(policy.evict(need), tenant, out, told=True)
+        want = tenant.slot_bytes
+        n = 0
         if allocator.size_classes == 1:  # every READY block has this size
             chosen, cut = self._victims(None, need, None)
         else:
-            chosen, cut = self._victims(tenant.slot_bytes, need, SCAN + 4 * need)
-        n = self._evict_keys(chosen, tenant, out)
-        want = tenant.slot_bytes
+            colder: list[int] = []
+            chosen, cut = self._victims(want, need, SCAN + 4 * need, colder)
+            if colder:  # whole extents of other sizes colder than these: they go first
+                n = self._empty_cold_extents(tenant, n_new, colder, out)
+                chosen = chosen[:max(0, n_new - allocator.free_slots(want))]
+        n += self._evict_keys(chosen, tenant, out)
         if allocator.free_slots(want) < n_new:  # still short
             n += self._empty_extents(tenant, n_new, out)
             short = n_new - allocator.free_slots(want)
@@ -96,11 +101,13 @@ class Evictor:
                 n += self._evict_keys(more, tenant, out)
         return n
 
-    def _victims(self, size: int | None, need: int,
-                 limit: int | None) -> tuple[list[bytes], bool]:
+    def _victims(self, size: int | None, need: int, limit: int | None,
+                 colder: list[int] | None = None) -> tuple[list[bytes], bool]:
         """The policy's first ``need`` unpinned victims (of slot size ``size``, when
         given), looking at most ``limit`` deep (None: all the way); and whether it
         stopped at ``limit``. Read in growing chunks, checked with numpy per chunk.
+        ``colder`` gets the slots of the unpinned blocks of other sizes met before the
+        last victim returned.
 
         Why the limit: with two block sizes, the caller's own blocks may sit behind
         every block of the other size, and reading the whole order on every short
@@ -111,6 +118,7 @@ class Evictor:
         entries, pins, alloc = ix.entries, ix.pins, ix.allocator
         it = ix.policy.victims()
         chosen: list[bytes] = []
+        ahead: list[int] = []
         seen, chunk = 0, max(64, 2 * need)
         while len(chosen) < need:
             if limit is not None and seen >= limit:
@@ -122,10 +130,41 @@ class Evictor:
             slots = np.fromiter(map(entries.__getitem__, keys), np.int64, len(keys))
             ok = pins[slots] == 0
             if size is not None:
-                ok &= alloc.slot_bytes_array(slots) == size
+                other = ok & (alloc.slot_bytes_array(slots) != size)
+                ok &= ~other
+                if colder is not None:  # (ahead: other sizes' blocks since the last
+                    mine = np.flatnonzero(ok)  # own victim, colder once another comes)
+                    if len(mine):
+                        end = int(mine[min(need - len(chosen), len(mine)) - 1])
+                        colder += ahead
+                        colder += slots[:end][other[:end]].tolist()
+                        ahead = slots[end:][other[end:]].tolist()
+                    else:
+                        ahead += slots[other].tolist()
             chosen.extend(compress(keys, ok.tolist()))
             chunk *= 2
         return chosen[:need], False
+
+    def _empty_cold_extents(self, tenant: Tenant, n_new: int, colder: list[int],
+                            out: list[bytes]) -> int:
+        """Room for ``n_new`` slots of ``tenant``'s size from extents of other sizes
+        whose every slot in use holds one of the ``colder`` blocks (READY, unpinned, and
+        before the caller's own victims in the policy's order, coldest first): the
+        policy would evict all of them before those, so they go instead. Without this,
+        a size's own blocks went first whenever the scan found enough of them: in a pool
+        of fewer blocks than the scan reads, the split between sizes never changed, and
+        a tenant that left kept its extents for good."""
+        ix = self.ix
+        alloc = ix.allocator
+        want = tenant.slot_bytes
+        short = n_new - alloc.free_slots(want)
+        if short <= 0:
+            return 0
+        picked = alloc.whole_extents(colder, -(-short // alloc.per_extent(want)))
+        spm = alloc.slots_per_extent_max
+        keys = [ix._slot_key[s] for s in colder if s // spm in picked]
+        deque(map(ix.policy.remove, keys), maxlen=0)  # not its victims: its own order
+        return self._evict_keys(keys, tenant, out, told=True)
 
     def _empty_extents(self, tenant: Tenant, n_new: int, out: list[bytes]) -> int:
         """Room for ``n_new`` slots of ``tenant``'s size by emptying whole extents of

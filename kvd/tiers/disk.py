@@ -259,12 +259,29 @@ class DiskTier(Tier):
         deque(map(self.policy.remove, keys), maxlen=0)  # not its victims: its own order
         return self._drop(keys)
 
-    def _evict_own(self, slot_bytes: int, n: int, limit: int | None) -> list[int]:
-        """Evict the policy's first ``n`` victims of ``slot_bytes``, among its first
-        ``limit`` (None: all)."""
+    def _own_victims(self, slot_bytes: int, n: int, limit: int | None,
+                     colder: list[int] | None = None) -> list[bytes]:
+        """The policy's first ``n`` victims of ``slot_bytes``, among its first ``limit``
+        (None: all). ``colder`` gets the slots of the other sizes' blocks met before the
+        last of them (as the RAM evictor's ``_victims``)."""
         entries = self._entries
-        keys = list(islice((k for k in islice(self.policy.victims(), limit)
-                            if entries[k].slot_bytes == slot_bytes), n))
+        keys: list[bytes] = []
+        ahead: list[int] = []
+        for k in islice(self.policy.victims(), limit if n > 0 else 0):
+            entry = entries[k]
+            if entry.slot_bytes != slot_bytes:
+                ahead.append(entry.slot)
+                continue
+            keys.append(k)
+            if colder is not None:
+                colder += ahead
+                ahead.clear()
+            if len(keys) == n:
+                break
+        return keys
+
+    def _evict_own(self, slot_bytes: int, n: int, limit: int | None) -> list[int]:
+        keys = self._own_victims(slot_bytes, n, limit)
         self.policy.evicted_many(keys)
         return self._drop(keys)
 
@@ -278,8 +295,19 @@ class DiskTier(Tier):
             return []
         if alloc.size_classes == 1:  # every block has this size
             freed = self._drop(policy.evict(short))
-        else:  # its own size first, looking only so deep (as the RAM evictor does)
-            freed = self._evict_own(slot_bytes, short, SCAN + 4 * short)
+        else:  # as the RAM evictor does: whole extents of other sizes colder than its
+            # own first victims, then those victims (looking only so deep), then other
+            # sizes' emptiest extents
+            colder: list[int] = []
+            own = self._own_victims(slot_bytes, short, SCAN + 4 * short, colder)
+            picked = alloc.whole_extents(colder, -(-short // alloc.per_extent(slot_bytes)))
+            spm = alloc.slots_per_extent_max
+            cold = [self._slot_key[s] for s in colder if s // spm in picked]
+            deque(map(policy.remove, cold), maxlen=0)  # not its victims: its own order
+            freed = self._drop(cold)
+            own = own[:max(0, n - alloc.free_slots(slot_bytes))]
+            policy.evicted_many(own)
+            freed += self._drop(own)
             freed += self._empty_extents(slot_bytes, n)
             if (short := n - alloc.free_slots(slot_bytes)) > 0:  # too few emptied
                 freed += self._evict_own(slot_bytes, short, None)

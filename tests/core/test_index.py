@@ -338,11 +338,41 @@ def test_another_size_behind_the_scan_limit_empties_an_extent(monkeypatch):
     assert sum(ix.contains(small, k(i)) == READY for i in range(32)) == 16
 
 
-def test_another_size_within_the_scan_limit_evicts_its_own(monkeypatch):
+def test_an_extent_of_another_size_colder_than_its_own_victims_goes_first(monkeypatch):
+    """Within the scan, a size's own blocks went even when whole extents of another size
+    were colder: in a pool of fewer blocks than the scan reads, the split between sizes
+    never changed. Now the colder extent goes, as the policy would have it."""
     ix, small, big = _two_sizes(monkeypatch, scan=4096)
+    r = ix.allocate(big, [k(200)])
+    assert (r.allocated, r.evicted_total, r.evicted) == (1, 16, [])
+    assert all(ix.contains(big, k(100 + i)) == READY for i in range(8))
+    assert [ix.contains(small, k(i)) == READY for i in range(32)] == [False] * 16 + [True] * 16
+
+
+def test_an_extent_with_a_block_hotter_than_its_own_victims_stays(monkeypatch):
+    """A small extent holding one block used after the big ones is not all colder: the
+    big size evicts its own coldest block, as before."""
+    ix, small, big = _two_sizes(monkeypatch, scan=4096)
+    for i in (5, 20):  # one in each small extent, now the most recently used
+        ix.release(ix.lookup(small, [k(i)], lease_s=60.0)[2])
     r = ix.allocate(big, [k(200)])
     assert (r.allocated, r.evicted_total, r.evicted) == (1, 1, [k(100)])
     assert all(ix.contains(small, k(i)) == READY for i in range(32))
+
+
+def test_a_tenant_that_left_gives_its_extents_up_to_one_still_storing():
+    """Its blocks of another size, never used again, stayed for good: the tenant still
+    storing was held to the extents left over (2 of 8), evicting its own new blocks."""
+    a = Allocator(8 * 16 * BLOCK, 16 * BLOCK, 1024)  # 8 extents; 16 small or 4 big slots
+    ix = Index(a, make_policy("adaptive", 128))
+    tenants = Tenants()
+    small = tenants.get_or_create("s", model="s", tp_size=1, rank_page_bytes=(BLOCK,))
+    big = tenants.get_or_create("b", model="b", tp_size=1, rank_page_bytes=(4 * BLOCK,))
+    store(ix, big, [k(1000 + i) for i in range(24)])  # 6 extents, then it leaves
+    for step in range(50):
+        store(ix, small, [k(step * 4 + i) for i in range(4)])
+        ix.release(ix.lookup(small, [k(max(0, step * 4 - 8))], lease_s=60.0)[2])
+    assert big.blocks == 0 and small.blocks == 128  # the whole pool, in use
 
 
 def test_past_the_scan_limit_with_no_extent_to_empty_its_own_go(monkeypatch):

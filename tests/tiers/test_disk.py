@@ -614,6 +614,20 @@ def test_one_block_of_another_size_evicts_one_extent_not_the_whole_tier(tmp_path
     t.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_a_tenant_that_left_gives_its_extents_up_to_one_still_writing(tmp_path, policy):
+    """Its blocks of another size, never read again, stayed for good: the tenant still
+    writing evicted its own new blocks within the one extent left to it."""
+    t = DiskTier(str(tmp_path), SIZE, policy=policy, extent_size=EXT, sync=False)
+    assert t.put(OTHER, blocks(ks("b", 48), ns=OTHER, n=5 * B)) == 48  # 3 of 4 extents
+    for step in range(40):
+        assert t.put(NS, blocks(ks(f"s{step}-", 8))) == 8
+    assert sum(t.contains(OTHER, [k], 5 * B) for k in ks("b", 48)) == 0
+    assert sum(t.contains(NS, ks(f"s{step}-", 8)) for step in range(40)) == 256  # all of it
+    assert_hits(t, ks("s39-", 8))
+    t.close()
+
+
 # ------------------------------------------------------------------ properties
 class DiskModel(RuleBasedStateMachine):
     """Random puts, gets, byte flips and restarts on a tiny tier (two 64 KiB extents, three
