@@ -102,6 +102,16 @@ def status_text(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# A tier's breaker state, as an operator reads it ("closed" reads as "off").
+TIER_STATES = {"closed": "up", "open": "down", "half_open": "retrying",
+               "unconnected": "not connected yet"}
+
+
+def tier_state(tier: dict[str, Any]) -> str:
+    state = tier.get("state", "?")
+    return TIER_STATES.get(state, state)
+
+
 def tiers_lines(st: dict[str, Any]) -> list[str]:
     """One line per tier below the pool, and what moved between them."""
     tiers, c = st.get("tiers") or {}, st["counters"]
@@ -109,7 +119,7 @@ def tiers_lines(st: dict[str, Any]) -> list[str]:
     if "disk" in tiers:
         d = tiers["disk"]
         bad = f"  bad slots {d['bad_slots']}" if d.get("bad_slots") else ""
-        lines.append(f"disk     {d.get('state', '?')}  {size(d.get('bytes', 0))} of "
+        lines.append(f"disk     {tier_state(d)}  {size(d.get('bytes', 0))} of "
                      f"{size(d.get('capacity_bytes', 0))}  {d.get('blocks', 0)} blocks{bad}"
                      f"  {d.get('path', '')}" + _last_error(d))
     if "remote" in tiers:
@@ -117,7 +127,7 @@ def tiers_lines(st: dict[str, Any]) -> list[str]:
         refused = f"  refused {r['rejected_blocks']}" if r.get("rejected_blocks") else ""
         down = r.get("masters_down") or []
         masters = f"  masters down: {' '.join(down)}" if down else ""
-        lines.append(f"remote   {r.get('state', '?')}{masters}  written "
+        lines.append(f"remote   {tier_state(r)}{masters}  written "
                      f"{r.get('written_blocks', 0)}  read {r.get('read_blocks', 0)}  corrupt "
                      f"{r.get('corrupt_blocks', 0)}{refused}  errors {r.get('errors', 0)}  "
                      f"{r.get('urls', '')}" + _last_error(r))

@@ -310,7 +310,7 @@ def test_tiers_in_status_metrics_and_kvdctl(daemon_factory, redis_cluster, tmp_p
 
     assert ctl.main(["--socket", d.socket, "status"]) == 0
     text = capsys.readouterr().out
-    assert "disk " in text and "remote   closed" in text
+    assert "disk     up  " in text and "remote   up  " in text
     assert f"promoted disk {c['disk_hit_blocks']} remote {c['remote_hit_blocks']}" in text
 
 

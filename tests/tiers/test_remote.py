@@ -454,7 +454,7 @@ def test_one_master_down_leaves_the_others_serving(redis_cluster, raw):
         from kvd.cli.render import tiers_lines
 
         line = "\n".join(tiers_lines({"tiers": {"remote": st}, "counters": {}}))
-        assert f"remote   closed  masters down: {name}  " in line
+        assert f"remote   up  masters down: {name}  " in line
         assert f"last error: {st['last_error']}" in line
         # Skipped now: no more failures, and its keys are misses, never errors.
         fresh = _blocks(32, seed=1, prefix="f")
