@@ -107,6 +107,7 @@ class KvdManager(OffloadingManager):
         self.disabled = ""  # why kvd is off for this engine ("" = on)
         self._root_checked = False
         self._reqs: dict[str, _Req] = {}
+        self._ended_loading: dict[str, _Req] = {}  # ended with a load out (``_end``)
         self._to_send: list[_Req] = []  # scans collected this step
         self._refresh: list[_Req] = []  # answered HIT_PENDING this step
         self._waiting = 0  # Lookups in flight
@@ -331,6 +332,10 @@ class KvdManager(OffloadingManager):
                 self._send_lookup(st, st.sent)
             st.refresh = False
         self._reap_abandoned()
+        if self._ended_loading:  # (see _end)
+            now, ended = time.monotonic(), self._ended_loading
+            for req in [r for r, s in ended.items() if s.lease_until <= now]:
+                self._release(ended.pop(req))
 
     def has_pending_work(self) -> bool:
         # _abandoned: replies still to come whose leases must be released (an idle
@@ -360,7 +365,8 @@ class KvdManager(OffloadingManager):
         return KvdSlots(slots, st.instance, lease=st.lease)
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
-        st = self._reqs.get(req_context.req_id)
+        st = (self._reqs.get(req_context.req_id)
+              or self._ended_loading.pop(req_context.req_id, None))
         if st is not None:
             self.boundary.guard("complete_load", lambda: None, lambda: self._release(st))
 
@@ -435,7 +441,7 @@ class KvdManager(OffloadingManager):
         self._connecting.pop(req_context.req_id, None)
         st = self._reqs.pop(req_context.req_id, None)
         if st is not None:
-            self.boundary.guard("on_request_finished", lambda: None, lambda: self._drop(st))
+            self.boundary.guard("on_request_finished", lambda: None, lambda: self._end(st))
             # vLLM calls this after on_schedule_end: a reply already in (a request that
             # never scanned, e.g. its prompt cached in the engine) is released now
             self.boundary.guard("on_request_finished", lambda: None, self._reap_abandoned)
@@ -464,6 +470,17 @@ class KvdManager(OffloadingManager):
             if r not in self._reqs:
                 self._drop(st)
         self._reap_abandoned()
+
+    def _end(self, st: _Req) -> None:
+        """A request ended. One whose load was handed to the workers keeps its lease until
+        that load's complete_load, which vLLM still calls after the end (an aborted
+        request's load leaves in the very step that ends it): released now, the load's
+        Transfer would find the lease gone and fail. Kept at most until the lease's own
+        margin runs out (``_schedule_end``), should complete_load never come."""
+        if st.loaded and st.lease and st.future is None and st.lease_until > time.monotonic():
+            self._ended_loading[st.ctx.req_id] = st
+        else:
+            self._drop(st)
 
     def _drop(self, st: _Req) -> None:
         self._release(st)

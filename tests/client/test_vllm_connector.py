@@ -198,6 +198,56 @@ def test_lease_released_when_request_finishes(engine_side, daemon):
     assert daemon.status()["blocks"]["leases"] == 0
 
 
+def test_a_load_handed_out_before_its_request_ended_keeps_its_lease(engine_side, daemon):
+    """vLLM ends an aborted request in the very step that hands its load to the workers,
+    and calls complete_load after the end. Released at the end, the lease was gone when
+    the load's Transfer came: the load failed EXPIRED, counted as a kvd error."""
+    mgr, worker, storage = engine_side
+    keys = keys_for("end", 3)
+    store(mgr, worker, keys, [1, 2, 3], job_id=0)
+    ctx = request("r-aborted", keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT] * 3
+    spec = mgr.prepare_load(keys, ctx)
+    mgr.on_request_finished(ctx)  # aborted: ends in the step that sends its load
+    time.sleep(0.2)  # (a Release would have reached the daemon by now)
+    assert daemon.status()["blocks"]["leases"] == 1
+    storage[:, 20:23] = 0
+    assert worker.submit_load(1, spec, gpu([20, 21, 22]))
+    worker.wait({1})
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
+    assert torch.equal(storage[:, 20:23], storage[:, 1:4])
+    mgr.complete_load(keys, ctx)
+    assert wait_leases(daemon, 0) == 0
+
+
+def test_an_ended_request_whose_load_never_completes_gives_its_lease_back(daemon):
+    """Kept for a complete_load that never comes, the lease goes back once its margin ran
+    out (at the next step's end), not at the connection's close."""
+    fp = make_fingerprint(FACTS, b"root")
+    caches, _ = kv_caches()
+    mgr = KvdManager(options(daemon.socket, lease_ms=400), fp, FACTS)
+    worker = KvdWorker(options(daemon.socket), fp, caches, rank=0)
+    try:
+        assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
+        keys = keys_for("never", 2)
+        store(mgr, worker, keys, [1, 2], job_id=0)
+        ctx = request("r-lost", keys)
+        mgr.on_new_request(ctx)
+        assert answer(mgr, ctx, keys) == [HIT] * 2
+        mgr.prepare_load(keys, ctx)
+        mgr.on_request_finished(ctx)
+        assert wait_leases(daemon, 1) == 1
+        mgr.on_schedule_end(END)
+        assert mgr._ended_loading  # its margin (0.8 of the lease) still runs
+        time.sleep(0.4)
+        mgr.on_schedule_end(END)
+        assert not mgr._ended_loading and wait_leases(daemon, 0) == 0
+    finally:
+        mgr.shutdown()
+        worker.shutdown()
+
+
 def wait_leases(daemon, n: int, timeout: float = 5) -> int:
     deadline = time.monotonic() + timeout
     while (leases := daemon.status()["blocks"]["leases"]) != n and time.monotonic() < deadline:
