@@ -19,17 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("kvd.metrics")
 DEFAULT_PORT = 9727
+# The HTTP endpoint's bounds: a connection waits at most this long for each read or
+# write, and at most this many are served at once (more are closed at once), so idle or
+# trickling connections cannot pile up threads in the daemon.
+HTTP_TIMEOUT_S = 10.0
+HTTP_CONNECTIONS = 16
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -279,9 +287,9 @@ class Metrics:
         """
         if port <= 0:
             return ""
-        addr = addr or "0.0.0.0"  # every interface (prometheus-client cannot bind "")
+        addr = addr or "0.0.0.0"  # every interface
         try:
-            self._server, _ = start_http_server(port, addr, registry=self.registry)
+            self._server = _serve(addr, port, self.registry)
         except OSError as e:
             log.error("metrics endpoint not started: cannot bind %s:%d: %s", addr, port,
                       e.strerror or e)
@@ -296,3 +304,47 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = HTTP_TIMEOUT_S  # per read and write of the connection's socket
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged."""
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """prometheus-client's threading WSGI server, with a bound on the connections it
+    serves at once (its own starts a thread per connection, however many)."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(HTTP_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many open: this one is closed
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _serve(addr: str, port: int, registry: CollectorRegistry) -> _Server:
+    """The endpoint on its own thread (as prometheus-client's ``start_http_server``)."""
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("_Server", (_Server,), {"address_family": family})
+    server = make_server(addr, port, make_wsgi_app(registry), server_class, _Handler)
+    threading.Thread(target=server.serve_forever, name="kvd-metrics", daemon=True).start()
+    return server

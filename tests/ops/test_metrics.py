@@ -167,6 +167,43 @@ def test_an_empty_address_serves_on_every_interface():
         metrics.close()
 
 
+def test_idle_connections_neither_pile_up_threads_nor_stay(monkeypatch):
+    """Each connection to the endpoint held a thread for as long as it stayed open, with
+    no bound: idle or trickling connections piled threads up in the daemon."""
+    import threading
+    import time
+
+    from kvd import metrics as km
+
+    monkeypatch.setattr(km, "HTTP_CONNECTIONS", 4)
+    monkeypatch.setattr(km._Handler, "timeout", 0.5)
+    metrics = Metrics(lambda: ({}, 0.0), CollectorRegistry())
+    port = free_port()
+    address = metrics.serve("127.0.0.1", port)
+    threads = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        assert threading.active_count() == threads + 4
+        with socket.create_connection(("127.0.0.1", port)) as extra:  # a fifth: closed
+            extra.settimeout(5)
+            assert extra.recv(1) == b""
+        assert threading.active_count() == threads + 4
+        for s in idle:  # each closed by the server once its read waited 0.5 s
+            s.settimeout(5)
+            assert s.recv(1) == b""
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert threading.active_count() == threads
+        with urllib.request.urlopen(address, timeout=10) as r:  # served as before
+            assert b"kvd_status_age_seconds" in r.read()
+    finally:
+        for s in idle:
+            s.close()
+        metrics.close()
+
+
 def test_snapshot_falls_back_when_the_loop_does_not_run():
     loop = asyncio.new_event_loop()  # never run: like a hung event loop
     snap = LoopSnapshot(loop, lambda: {"taken": True}, timeout=0.1)
