@@ -12,7 +12,7 @@ index allocates and evicts in runs, and a call per slot was most of its cost).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -104,19 +104,20 @@ class Allocator:
         """Slots of ``extent`` in use (allocated or claimed, not freed)."""
         return self._extent_used[extent]
 
-    def whole_extents(self, slots: list[int], at_most: int) -> set[int]:
+    def whole_extents(self, slots: Sequence[int] | np.ndarray, at_most: int) -> set[int]:
         """Up to ``at_most`` extents each of whose slots in use is one of ``slots`` (a
         policy's victims in order, coldest first), those whose last slot in ``slots``
         comes earliest first: emptying one loses only blocks that order would drop
         first anyway."""
-        ids = np.array(slots, dtype=np.int64) // self.slots_per_extent_max
-        ext, where, counts = np.unique(ids, return_inverse=True, return_counts=True)
-        last = np.zeros(len(ext), dtype=np.int64)
-        np.maximum.at(last, where, np.arange(len(ids)))
-        order = np.argsort(last, kind="stable")
-        whole = [e for e, c in zip(ext[order].tolist(), counts[order].tolist())
-                 if c == self._extent_used[e]]
-        return set(whole[:at_most])
+        ids = np.asarray(slots, dtype=np.int64) // self.slots_per_extent_max
+        counts = np.bincount(ids, minlength=self.n_extents)
+        whole = np.flatnonzero(counts)
+        whole = whole[counts[whole] == np.array(self._extent_used)[whole]]
+        if not len(whole) or at_most <= 0:
+            return set()
+        last = np.full(self.n_extents, -1, dtype=np.int64)
+        np.maximum.at(last, ids, np.arange(len(ids)))
+        return set(whole[np.argsort(last[whole], kind="stable")][:at_most].tolist())
 
     def slot_bytes_array(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's size (0: its extent serves no size class), for whole batches."""

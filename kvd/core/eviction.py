@@ -87,10 +87,10 @@ class Evictor:
         if allocator.size_classes == 1:  # every READY block has this size
             chosen, cut = self._victims(None, need, None)
         else:
-            colder: list[int] = []
+            colder: list[np.ndarray] = []
             chosen, cut = self._victims(want, need, SCAN + 4 * need, colder)
             if colder:  # whole extents of other sizes colder than these: they go first
-                n = self._empty_cold_extents(tenant, n_new, colder, out)
+                n = self._empty_cold_extents(tenant, n_new, np.concatenate(colder), out)
                 chosen = chosen[:max(0, n_new - allocator.free_slots(want))]
         n += self._evict_keys(chosen, tenant, out)
         if allocator.free_slots(want) < n_new:  # still short
@@ -102,12 +102,12 @@ class Evictor:
         return n
 
     def _victims(self, size: int | None, need: int, limit: int | None,
-                 colder: list[int] | None = None) -> tuple[list[bytes], bool]:
+                 colder: list[np.ndarray] | None = None) -> tuple[list[bytes], bool]:
         """The policy's first ``need`` unpinned victims (of slot size ``size``, when
         given), looking at most ``limit`` deep (None: all the way); and whether it
         stopped at ``limit``. Read in growing chunks, checked with numpy per chunk.
         ``colder`` gets the slots of the unpinned blocks of other sizes met before the
-        last victim returned.
+        last victim returned (arrays, in order).
 
         Why the limit: with two block sizes, the caller's own blocks may sit behind
         every block of the other size, and reading the whole order on every short
@@ -118,7 +118,7 @@ class Evictor:
         entries, pins, alloc = ix.entries, ix.pins, ix.allocator
         it = ix.policy.victims()
         chosen: list[bytes] = []
-        ahead: list[int] = []
+        ahead: list[np.ndarray] = []
         seen, chunk = 0, max(64, 2 * need)
         while len(chosen) < need:
             if limit is not None and seen >= limit:
@@ -137,15 +137,15 @@ class Evictor:
                     if len(mine):
                         end = int(mine[min(need - len(chosen), len(mine)) - 1])
                         colder += ahead
-                        colder += slots[:end][other[:end]].tolist()
-                        ahead = slots[end:][other[end:]].tolist()
+                        colder.append(slots[:end][other[:end]])
+                        ahead = [slots[end:][other[end:]]]
                     else:
-                        ahead += slots[other].tolist()
+                        ahead.append(slots[other])
             chosen.extend(compress(keys, ok.tolist()))
             chunk *= 2
         return chosen[:need], False
 
-    def _empty_cold_extents(self, tenant: Tenant, n_new: int, colder: list[int],
+    def _empty_cold_extents(self, tenant: Tenant, n_new: int, colder: np.ndarray,
                             out: list[bytes]) -> int:
         """Room for ``n_new`` slots of ``tenant``'s size from extents of other sizes
         whose every slot in use holds one of the ``colder`` blocks (READY, unpinned, and
@@ -161,8 +161,10 @@ class Evictor:
         if short <= 0:
             return 0
         picked = alloc.whole_extents(colder, -(-short // alloc.per_extent(want)))
-        spm = alloc.slots_per_extent_max
-        keys = [ix._slot_key[s] for s in colder if s // spm in picked]
+        if not picked:
+            return 0
+        mine = np.isin(colder // alloc.slots_per_extent_max, list(picked))
+        keys = list(map(ix._slot_key.__getitem__, colder[mine].tolist()))
         deque(map(ix.policy.remove, keys), maxlen=0)  # not its victims: its own order
         return self._evict_keys(keys, tenant, out, told=True)
 

@@ -302,7 +302,7 @@ class DiskTier(Tier):
             own = self._own_victims(slot_bytes, short, SCAN + 4 * short, colder)
             picked = alloc.whole_extents(colder, -(-short // alloc.per_extent(slot_bytes)))
             spm = alloc.slots_per_extent_max
-            cold = [self._slot_key[s] for s in colder if s // spm in picked]
+            cold = [self._slot_key[s] for s in colder if s // spm in picked] if picked else []
             deque(map(policy.remove, cold), maxlen=0)  # not its victims: its own order
             freed = self._drop(cold)
             own = own[:max(0, n - alloc.free_slots(slot_bytes))]
