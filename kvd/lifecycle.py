@@ -198,7 +198,11 @@ class Lifecycle:
             return
         self._reading = True
         self.notifier.reloading()
-        threading.Thread(target=self._read, name="kvd-reload", daemon=True).start()
+        try:
+            threading.Thread(target=self._read, name="kvd-reload", daemon=True).start()
+        except (RuntimeError, MemoryError) as e:  # no thread now (TasksMax, memory):
+            # this reload fails; the next SIGHUP tries again
+            self._read_done(KvdError(f"cannot start the thread that reads it: {e}"))
 
     def _read(self) -> None:
         """On the reload thread (a daemon thread: a read that never returns does not

@@ -487,6 +487,36 @@ def test_a_reload_signal_while_stopping_is_not_applied():
     assert asyncio.run(scenario()) == [1]
 
 
+def test_a_reload_whose_thread_cannot_start_fails_and_the_next_one_is_read(monkeypatch,
+                                                                          caplog):
+    """A thread that could not start (TasksMax, memory) left the reload marked as being
+    read for good: every later SIGHUP was put off 'until after it', and nothing applied."""
+    async def scenario():
+        server = _FakeDaemon(inflight=0, stop_timeout_ms=300)
+        asked = []
+        life = Lifecycle(server, None, lambda: asked.append(1) or (server.config, {}),
+                         notifier=Notifier(None))
+        life.status_line = lambda: "x"
+        life.phase = "serving"
+        start = threading.Thread.start
+
+        def cannot_start(self):
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", cannot_start)
+        life.reload()
+        monkeypatch.setattr(threading.Thread, "start", start)
+        assert not life._reading and asked == []
+        life.reload()  # the next SIGHUP reads
+        while life._reading:
+            await asyncio.sleep(0.01)
+        return asked
+
+    with caplog.at_level("ERROR", logger="kvd"):
+        assert asyncio.run(scenario()) == [1]
+    assert "cannot start the thread that reads it" in caplog.text
+
+
 def test_a_configuration_read_that_hangs_does_not_hold_the_loop():
     """A config file on a network mount that hangs held the event loop (every client)
     for as long as the read. The read runs on a thread; SIGHUPs meanwhile make one
