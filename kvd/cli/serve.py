@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import resource
 import sys
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    open_standard_fds()
     take_start_signals()  # a stop or reload before the daemon serves is not its death
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -77,6 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def open_standard_fds() -> None:
+    """/dev/null in place of any of descriptors 0-2 closed at exec (``kvd serve 2>&-``):
+    the files kvd opens next would take them. With stderr closed, logging failed at start
+    (exit 1, without a word); with stdout closed, uvloop's epoll descriptor became 1 and
+    libuv aborted the process at its stop."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:  # Python saw fd 2 closed at start
+        sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")  # noqa: SIM115
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", closefd=False, errors="backslashreplace")  # noqa: SIM115
 
 
 def raise_fd_limit() -> None:

@@ -581,3 +581,32 @@ def test_a_drain_queued_before_the_socket_closed_does_nothing_after_it(tmp_path)
     t.join(30)
     assert not os.path.exists(cfg.pool_path) and not os.path.exists(cfg.socket)
     assert outcome == [None]
+
+
+@pytest.mark.parametrize("closed", [(2,), (1,), (1, 2)])
+def test_a_daemon_started_with_stdout_or_stderr_closed_serves_and_stops_cleanly(tmp_path,
+                                                                                closed):
+    """``kvd serve 2>&-`` exited 1 without a word (logging found no stderr); with stdout
+    closed, uvloop's epoll descriptor took 1 and libuv aborted the process at its stop."""
+    from tests.conftest import wait_ready
+
+    tag = uuid.uuid4().hex[:8]
+    sock, pool = str(tmp_path / "kvd.sock"), f"/dev/shm/kvd-test-{tag}.pool"
+    log = tmp_path / "kvd.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", sock, "--pool-path",
+             pool, "--pool-size", "64M", "--extent-size", "1M", "--metrics-port", "0",
+             "--persist"], stdout=out, stderr=out,
+            preexec_fn=lambda: [os.close(fd) for fd in closed])  # noqa: PLW1509
+    try:
+        wait_ready(sock, proc, 20, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for path in (pool, pool + ".journal", pool + ".journal.lock"):
+            if os.path.exists(path):
+                os.unlink(path)
