@@ -32,17 +32,18 @@ def touch_pages(array: np.ndarray) -> None:
     np.bitwise_or(view, 0, out=view)
 
 
-def _reserve(fd: int, path: str, size: int) -> None:
-    """Give the pool its memory now. A shared-memory file is sparse: a page its
-    filesystem has no room for (a container's 64 MiB /dev/shm) would kill the daemon
-    with SIGBUS at the first copy into it, or at the prefault."""
+def _reserve(fd: int, path: str, size: int) -> bool:
+    """Give the pool its memory now (False: its filesystem cannot). A shared-memory file
+    is sparse: a page its filesystem has no room for (a container's 64 MiB /dev/shm)
+    would kill the daemon with SIGBUS at the first copy into it, or at the prefault."""
     try:
         os.posix_fallocate(fd, 0, size)
+        return True
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             log.warning("pool file %s: its filesystem cannot reserve space (%s); a full "
                         "filesystem will stop the daemon with SIGBUS", path, e.strerror)
-            return
+            return False
         free = os.statvfs(path)
         raise ConfigError(
             f"cannot reserve {size >> 20} MiB for pool file {path}: {e.strerror} "
@@ -84,7 +85,7 @@ class Pool:
             if not self.reused:
                 os.ftruncate(fd, 0)  # stale bytes of another geometry never survive
             os.ftruncate(fd, size)
-            _reserve(fd, path, size)
+            self.reserved = _reserve(fd, path, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ConfigError) as e:
             if not self.reused:  # ours, and empty: nothing of a kept pool is lost
@@ -110,6 +111,34 @@ class Pool:
         except BaseException:  # e.g. a stop during a long prefault: leave nothing
             self.close()
             raise
+
+    def damage(self) -> str:
+        """Why the file may no longer hold what was copied into it ('' when it does):
+        another process cut it (the daemon's own reads past its end are SIGBUS, the copy
+        calls' EFAULT), or punched a hole in it or cut it and grew it again (its pages
+        read as zeros). Reserved, the file has every page allocated, so a lost page
+        shows in its block count: one fstat, not a walk of the file."""
+        try:
+            st = os.fstat(self._fd)
+        except OSError:
+            return ""
+        if st.st_size < self.size:
+            return f"was cut to {st.st_size} of its {self.size} bytes"
+        if self.reserved and st.st_blocks * 512 < self.size:
+            return (f"lost {self.size - st.st_blocks * 512} bytes of its memory (a hole "
+                    "punched in it, or cut and grown again)")
+        return ""
+
+    def reserve_again(self) -> None:
+        """After ``damage``: the file back to its size, its pages allocated again (their
+        bytes zero). ConfigError when its filesystem has no room for them."""
+        try:
+            if os.fstat(self._fd).st_size < self.size:
+                os.ftruncate(self._fd, self.size)
+        except OSError as e:
+            raise ConfigError(f"cannot size pool file {self.path} again: {e.strerror}") from None
+        if self.reserved:
+            _reserve(self._fd, self.path, self.size)
 
     def _prefault(self) -> None:
         rc = _libc.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size),

@@ -19,7 +19,7 @@ import numpy as np
 from kvd.access import ACCESS_KEYS, Access, Peer
 from kvd.config import Config
 from kvd.core.allocator import Allocator, AllocatorError
-from kvd.core.index import PENDING, Index
+from kvd.core.index import PENDING, READY, Index
 from kvd.core.states import NO_SLOT
 from kvd.core.policies import DEFAULT_POLICY, make_policy
 from kvd.core.tenants import Tenant, TenantError, Tenants, fingerprint_digest
@@ -96,6 +96,7 @@ class Service:
         self.extra_status: Callable[[], dict] = dict  # the shell adds what it owns
         self.origins: dict[str, str] = {}  # config key -> where its value came from
         self.stopping = False  # set on SIGTERM: new work is refused with BUSY
+        self.pool_fault = ""  # why the pool file is not whole ('' when it is)
 
     # ------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
@@ -460,6 +461,7 @@ class Service:
 
     def tick(self) -> None:
         now = self.clock()
+        self._check_pool()
         self.index.expire(now)
         self.transfers.expire(now)
         limit = self.config.client_timeout_ms / 1000
@@ -477,6 +479,28 @@ class Service:
         if self.persist is not None:
             self.persist.finish_compaction()
             self.persist.maybe_compact(self.index, self.tenants)
+
+    def _check_pool(self) -> None:
+        """Another process cut the pool file or punched a hole in it: the blocks may have
+        lost their bytes, so none is served again (their loads would copy zeros, or fail
+        as the client's bad address). Every block goes, stores in flight too; the file is
+        made whole again."""
+        why = self.pool.damage()
+        if not why:
+            self.pool_fault = ""
+            return
+        state = self.index.state
+        dropped = self.index.discard(np.flatnonzero(state == READY).tolist())
+        dropped += self.index.abort(np.flatnonzero(state == PENDING))
+        try:
+            self.pool.reserve_again()
+        except KvdError as e:
+            why = f"{why}; reserving it again failed: {e}"
+        if dropped or why != self.pool_fault:
+            log.error("pool file %s %s: its blocks may have lost their bytes; %d blocks "
+                      "dropped, none is served from it before it is whole again",
+                      self.pool.path, why, dropped)
+        self.pool_fault = why if self.pool.damage() else ""
 
     def client_gone(self, identity: bytes, why: str = "gone") -> None:
         client = self.clients.pop(identity, None)
@@ -506,5 +530,6 @@ class Service:
             self.transfers.overdue))
         tc = self.tiering.counter_values() if self.tiering else TierCounters().values()
         doc["counters"].update(tc)
+        doc["pool"]["fault"] = self.pool_fault
         return doc
 

@@ -208,6 +208,8 @@ def health_of(st: dict[str, Any], live: bool = False) -> tuple[bool, str]:
         return False, f"kvd is {phase}"
     if not live and (lost := (st.get("cuda") or {}).get("lost_gpus", 0)):
         return False, f"the CUDA context of {lost} GPU(s) is lost: restart kvd"
+    if not live and (fault := st["pool"].get("fault")):
+        return False, f"the pool file {fault}"
     used = st["pool"]["used_bytes"] / max(1, st["pool"]["capacity_bytes"])
     pin = st.get("pinning", {})
     note = f", pool not pinned: {pin.get('error', '')}" if pin.get("state") == "failed" else ""

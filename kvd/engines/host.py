@@ -129,7 +129,8 @@ def _os_error(err: int, pid: int) -> TransferError:
     if err == errno.ESRCH:
         return TransferError(f"client process {pid} is gone", Code.CLIENT_GONE)
     if err == errno.EFAULT:
-        return TransferError(f"bad address in the memory of pid {pid}", Code.TRANSFER_FAILED)
+        return TransferError(f"bad address in the memory of pid {pid} (or in the pool, if "
+                             "its file was cut)", Code.TRANSFER_FAILED)
     return TransferError(f"copy with pid {pid} failed: {os.strerror(err)}", Code.TRANSFER_FAILED)
 
 

@@ -340,6 +340,16 @@ def test_health_is_unhealthy_while_a_gpu_context_is_lost_and_live_stays_ok():
     assert ctl.health_of(st, live=True)[0]
 
 
+def test_health_is_unhealthy_while_the_pool_file_is_not_whole():
+    st = {"phase": "serving", "pid": 1, "blocks": {"ready": 0}, "clients": [],
+          "pool": {"capacity_bytes": 1 << 20, "used_bytes": 0, "fault": ""}}
+    assert ctl.health_of(st)[0]
+    st["pool"]["fault"] = "was cut to 0 of its 1048576 bytes; reserving it again failed"
+    ok, why = ctl.health_of(st)
+    assert not ok and why.startswith("the pool file was cut to 0")
+    assert ctl.health_of(st, live=True)[0]
+
+
 BAD_DOC = json.dumps({"pool": {}, "counters": {}, "blocks": {}, "clients": [{}],
                       "tenants": [{}]}).encode()  # the top keys, none of what is in them
 BAD_STATUS = _hello_then(lambda req: m.StatsOk(req, BAD_DOC))
