@@ -51,6 +51,18 @@ def _reserve(fd: int, path: str, size: int) -> bool:
             "give the filesystem more room, e.g. a container's --shm-size)") from None
 
 
+TMPFS_MAGIC = 0x01021994
+
+
+def _on_tmpfs(fd: int) -> bool:
+    """Whether the file is in a tmpfs (/dev/shm), where a reserved file's block count is
+    its size for as long as nobody frees its pages (a compressing filesystem's is not)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first
+    if _libc.fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value == TMPFS_MAGIC
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -86,6 +98,7 @@ class Pool:
                 os.ftruncate(fd, 0)  # stale bytes of another geometry never survive
             os.ftruncate(fd, size)
             self.reserved = _reserve(fd, path, size)
+            self._counted = self.reserved and _on_tmpfs(fd)  # (see ``damage``)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ConfigError) as e:
             if not self.reused:  # ours, and empty: nothing of a kept pool is lost
@@ -116,15 +129,15 @@ class Pool:
         """Why the file may no longer hold what was copied into it ('' when it does):
         another process cut it (the daemon's own reads past its end are SIGBUS, the copy
         calls' EFAULT), or punched a hole in it or cut it and grew it again (its pages
-        read as zeros). Reserved, the file has every page allocated, so a lost page
-        shows in its block count: one fstat, not a walk of the file."""
+        read as zeros). Reserved in a tmpfs, the file has every page allocated, so a
+        lost page shows in its block count: one fstat, not a walk of the file."""
         try:
             st = os.fstat(self._fd)
         except OSError:
             return ""
         if st.st_size < self.size:
             return f"was cut to {st.st_size} of its {self.size} bytes"
-        if self.reserved and st.st_blocks * 512 < self.size:
+        if self._counted and st.st_blocks * 512 < self.size:
             return (f"lost {self.size - st.st_blocks * 512} bytes of its memory (a hole "
                     "punched in it, or cut and grown again)")
         return ""
