@@ -83,6 +83,7 @@ class Server:
         self.pinner: PoolPinner | None = None
         self.engines: dict[str, TransferEngine] = {}
         self._bound: tuple[int, int] | None = None  # (device, inode) of the socket we bound
+        self._rebind_error = ""  # why the removed socket could not be bound again
         self.loop_has_signals = False  # run() took SIGTERM/SIGINT over from start-up
         self._ticking: asyncio.TimerHandle | None = None
         try:
@@ -176,6 +177,26 @@ class Server:
                 os.unlink(self.config.socket)
         except FileNotFoundError:
             pass
+
+    def _check_socket(self) -> None:
+        """The socket file removed while serving (a cleanup of the directory, a careless
+        rm): clients connected go on, but a restarted engine or kvdctl finds nothing
+        and runs without kvd. Bound again, as a removed journal is written again; a
+        path another daemon has bound since is left to it."""
+        if self._bound is None or os.path.lexists(self.config.socket):
+            self._rebind_error = ""
+            return
+        try:
+            self._bind()
+        except (ConfigError, OSError) as e:
+            if str(e) != self._rebind_error:
+                log.error("socket %s was removed and cannot be bound again: %s",
+                          self.config.socket, e)
+            self._rebind_error = str(e)
+            return
+        self._rebind_error = ""
+        log.warning("socket %s was removed while serving: bound again (clients "
+                    "connected before were not affected)", self.config.socket)
 
     def _bind(self) -> None:
         path = self.config.socket
@@ -388,6 +409,7 @@ class Server:
 
     def _tick(self) -> None:
         try:
+            self._check_socket()
             self.service.tick()
         except Exception:  # noqa: BLE001 - expiry and cleanup must go on ticking
             log.exception("housekeeping tick failed")

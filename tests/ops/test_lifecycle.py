@@ -610,3 +610,21 @@ def test_a_daemon_started_with_stdout_or_stderr_closed_serves_and_stops_cleanly(
         for path in (pool, pool + ".journal", pool + ".journal.lock"):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_socket_removed_while_serving_is_bound_again(daemon):
+    """A removed socket file was never made again: clients connected went on, but a
+    restarted engine or kvdctl found nothing and ran without kvd."""
+    from kvd_client import Connection
+
+    with Connection(daemon.socket, name="before") as before:
+        assert before.wait_up(10)
+        os.unlink(daemon.socket)
+        assert wait_for(lambda: os.path.exists(daemon.socket), 5)
+        with Connection(daemon.socket, name="after", timeout=5) as after:
+            assert after.wait_up(10)
+            assert after.request(m.Ping(after.next_req()), 5)
+        assert before.request(m.Ping(before.next_req()), 5)  # not affected
+    assert "was removed while serving: bound again" in daemon.logs()
+    assert daemon.stop() == 0
+    assert not os.path.exists(daemon.socket)  # the new one goes at the stop
