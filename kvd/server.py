@@ -333,11 +333,13 @@ class Server:
                                  f"expected 1 frame, got {len(frames) - 1}")
         data = frames[1].buffer
         if len(data) > self.config.max_message_bytes:
+            self._heard(identity, frames[1])
             return service.error(m.peek_req(data), m.Code.BAD_REQUEST,
                                  f"message of {len(data)} bytes exceeds max_message_bytes")
         try:
             msg = m.decode_request(data)
         except (msgspec.MsgspecError, ValueError) as e:
+            self._heard(identity, frames[1])
             return service.error(m.peek_req(data), m.Code.BAD_REQUEST,
                                  f"malformed message: {e}")
         try:
@@ -356,6 +358,14 @@ class Server:
             log.exception("internal error on %s", type(msg).__name__)
             return service.error(getattr(msg, "req", 0), m.Code.INTERNAL,
                                  f"internal error: {e}")
+
+    def _heard(self, identity: bytes, frame: zmq.Frame) -> None:
+        """A message this daemon cannot read (a newer client's) is still a sign of life:
+        each gets an Error, which keeps the client from pinging, so a client whose
+        traffic is such messages was dropped as silent."""
+        client = self.service.clients.get(identity)
+        if client is not None and (not client.address or peer_address(frame) == client.address):
+            client.last_seen = self.service.clock()
 
     # ------------------------------------------------------------ liveness
     def _watch(self, client: Client) -> None:

@@ -366,3 +366,31 @@ def test_the_policy_is_sized_to_the_blocks_the_pool_holds(daemon):
     finally:
         worker.close()
         sched.close()
+
+
+class _NewerRequest(msgspec.Struct, frozen=True, array_like=True, tag="lookup_many"):
+    """A request a newer client could send: a tag this daemon does not know."""
+
+    req: int
+    keys: list[bytes] = []
+
+
+def test_a_client_whose_requests_this_daemon_cannot_read_is_not_dropped_as_silent(
+        daemon_factory):
+    """Each such request gets an Error, which keeps the client from pinging; the daemon
+    did not count the request as a sign of life, and dropped the client as silent
+    (its leases and stores released) after client_timeout_ms."""
+    d = daemon_factory(env={"KVD_CLIENT_TIMEOUT_MS": "1500"})
+    spec = Spec(d.socket)
+    sched = scheduler(d, spec)
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            with pytest.raises(RemoteError) as e:
+                sched.request(_NewerRequest(sched.next_req(), [b"k" * 36]), 5)
+            assert e.value.code == m.Code.BAD_REQUEST
+            time.sleep(0.1)
+        assert isinstance(lookup(sched, keys(1)), m.LookupOk)  # still registered
+        assert "silent" not in d.logs()
+    finally:
+        sched.close()
