@@ -373,17 +373,24 @@ class IOLoop:
         try:
             reply = m.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            # (A newer daemon's reply, say.) A call it answered fails now rather than at
-            # its timeout; a Transfer is left to its Done or deadline (the daemon may
-            # still be copying it).
+            # (A newer daemon's reply, say: a Code this client does not know.) What it
+            # answers ends now rather than at its timeout: a call, a Transfer it ended (a
+            # Done; an Error, which refuses one it did not take), the ping, the
+            # handshake (a refusal). Another reply to a Transfer is left to its Done or
+            # deadline (the daemon may still be copying it).
             log.warning("undecodable reply from kvd: %s", e)
             tag, req = m.peek(data)
             entry = self.pending.pop(req, None)
             if entry is not None and entry[0] is not None:
                 entry[0].set_exception(RemoteError(m.Code.INTERNAL, f"undecodable reply: {e}"))
-            elif req in self.transfers and tag == "done":  # copying is over
+            elif req in self.transfers and tag in ("done", "error"):  # copying is over
                 msg = self.pop_transfer(req)
-                self.deliver(m.Done(req, msg.event, m.Code.INTERNAL, f"undecodable Done: {e}"))
+                self.deliver(m.Done(req, msg.event, m.Code.INTERNAL,
+                                    f"undecodable {tag}: {e}"))
+            elif req and req == self.ping_req:
+                self.ping_req = 0
+            elif req and req == self.handshake_req and self.phase in ("hello", "register"):
+                self.handshake(m.Error(req, m.Code.INTERNAL, f"undecodable reply: {e}"))
             return
         if isinstance(reply, m.Done):
             msg = self.pop_transfer(reply.req)
@@ -438,6 +445,14 @@ class IOLoop:
             self.next_attempt = time.monotonic() + 5.0  # a refusal will not fix itself fast
             return
         if isinstance(reply, m.HelloOk):
+            if reply.version != m.PROTOCOL_VERSION:  # (a daemon that takes older clients
+                # but speaks another version: nothing it says can be trusted as read)
+                why = f"kvd speaks protocol {reply.version}, this client {m.PROTOCOL_VERSION}"
+                if why != self.why_down:
+                    log.warning("%s: running without kvd", why)
+                self.lost(why, quiet=True)
+                self.next_attempt = time.monotonic() + 5.0
+                return
             if not 0 <= reply.daemon_pid <= MAX_PID:  # (-1 would let anyone ptrace us)
                 why = f"bad HelloOk (pid {reply.daemon_pid})"
                 if why != self.why_down:

@@ -102,6 +102,9 @@ class AdminClient:
         hello = self._roundtrip(m.Hello(self._next(), m.PROTOCOL_VERSION, os.getpid(),
                                         self.name))
         assert isinstance(hello, m.HelloOk)
+        if hello.version != m.PROTOCOL_VERSION:
+            raise NotKvd(self.path, f"it speaks protocol {hello.version}, this kvdctl "
+                                    f"{m.PROTOCOL_VERSION}")
         self.daemon_pid = hello.daemon_pid
 
     def _next(self) -> int:

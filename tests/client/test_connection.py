@@ -259,10 +259,11 @@ def test_a_transfer_for_slots_of_another_daemon_run_is_never_sent(daemon):
         c.close()
 
 
-def misbehaving_daemon(path: str, answer, daemon_pid=lambda: 1) -> tuple:
+def misbehaving_daemon(path: str, answer, daemon_pid=lambda: 1, hello=None, ping=None) -> tuple:
     """A ROUTER that completes the handshake and answers everything else with
     ``answer(request)`` (raw bytes): a daemon with a bug, or of a newer version.
-    ``daemon_pid()``: the pid its HelloOk names."""
+    ``daemon_pid()``: the pid its HelloOk names; ``hello``, ``ping``: their answers
+    instead (raw bytes, from the request)."""
     import threading
 
     import zmq
@@ -278,7 +279,11 @@ def misbehaving_daemon(path: str, answer, daemon_pid=lambda: 1) -> tuple:
                 continue
             ident, data = sock.recv_multipart()
             msg = m.decode_request(data)
-            if isinstance(msg, m.Hello):
+            if isinstance(msg, m.Hello) and hello is not None:
+                out = hello(msg)
+            elif isinstance(msg, m.Ping) and ping is not None:
+                out = ping(msg)
+            elif isinstance(msg, m.Hello):
                 out = m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, daemon_pid(), "fake",
                                          1, 0))
             elif isinstance(msg, m.Register):
@@ -326,6 +331,59 @@ def test_replies_a_daemon_should_not_send_end_calls_and_transfers_once(tmp_path)
         assert {d.event: d.code for d in dones} == {1: m.Code.OK, 2: m.Code.INTERNAL}
         time.sleep(0.2)
         assert len(dones) == 2
+    finally:
+        c.close()
+        stop.set()
+        t.join(5)
+
+
+NEW_CODE = 77  # a Code a newer daemon added: its replies do not decode here
+
+
+def _new_error(msg) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(["error", msg.req, NEW_CODE, "a reason of a newer kvd"])
+
+
+def test_answers_a_newer_daemon_gives_end_what_they_answer_at_once(tmp_path):
+    """Undecodable, an Error refusing a Transfer left it to its deadline (the engine's
+    step held up to it), and an Error answering a ping dropped the connection as if
+    kvd had stopped answering."""
+    path = str(tmp_path / "fake.sock")
+    t, stop = misbehaving_daemon(path, _new_error, ping=_new_error)
+    dones: list[m.Done] = []
+    c = Connection(path, on_done=dones.append, transfer_timeout=30, timeout=1,
+                   ping_interval=0.1)
+    try:
+        assert c.wait_up(5)
+        t0 = time.monotonic()
+        assert c.send(m.Transfer(c.next_req(), 5, m.Direction.LOAD, pack_u32([0]),
+                                 pack_u32([0])))
+        assert wait_for(lambda: dones, 5) and time.monotonic() - t0 < 2
+        assert (dones[0].event, dones[0].code) == (5, m.Code.INTERNAL)
+        time.sleep(2.5)  # pings every 0.1 s, each answered so: the connection stays
+        assert c.up and c.stats.reconnects == 0, c._io.why_down
+    finally:
+        c.close()
+        stop.set()
+        t.join(5)
+
+
+@pytest.mark.parametrize("hello", [_new_error, lambda msg: m.encode(m.HelloOk(
+    msg.req, m.PROTOCOL_VERSION + 1, os.getpid(), "fake", 1, 0))], ids=["error", "version"])
+def test_a_handshake_a_newer_daemon_refuses_or_speaks_another_version_is_a_refusal(tmp_path,
+                                                                                  hello):
+    """An undecodable refusal left the client handshaking until its timeout, then
+    retrying fast; a HelloOk of another protocol version was taken as this one's."""
+    path = str(tmp_path / "fake.sock")
+    t, stop = misbehaving_daemon(path, _new_error, hello=hello)
+    c = Connection(path, timeout=5)
+    try:
+        assert wait_for(lambda: c._io.why_down, 2), "still handshaking"
+        assert not c.up and not c.handshaking
+        with pytest.raises(Unavailable):
+            c.request(m.Ping(c.next_req()))
     finally:
         c.close()
         stop.set()

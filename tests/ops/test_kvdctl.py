@@ -254,6 +254,8 @@ def _hello_then(other):
     (_hello_then(lambda req: m.StatsOk(req, b"{}")), "health", "its status lacks"),
     (_hello_then(lambda req: m.ConfigOk(req, b"null", {})), "config", "not a JSON object"),
     (_hello_then(lambda req: m.Ok(req, 0)), "status", "Stats answered with Ok"),
+    (lambda msg: m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION + 1, os.getpid(), "x", 1)),
+     "status", f"it speaks protocol {m.PROTOCOL_VERSION + 1}"),
 ])
 def test_a_peer_that_is_not_kvd_is_one_line_and_exit_1(tmp_path, capsys, answer, command,
                                                        why):
