@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import sys
+import threading
+from collections import deque
 from typing import TextIO
 
 # logging level -> syslog priority (sd-daemon.h: SD_ERR 3, SD_WARNING 4, SD_INFO 6, SD_DEBUG 7)
@@ -53,6 +56,82 @@ class OneLineFormatter(logging.Formatter):
         return text
 
 
+BACKLOG = 10_000  # lines kept for a log reader that fell behind; more are dropped, counted
+_ATOMIC = 4096  # a line this long or longer may block a pipe with room (PIPE_BUF)
+
+
+class NeverBlockingHandler(logging.StreamHandler):
+    """Writes at once while the stream takes lines; once it would block (a pipe nobody
+    reads, a stalled journald), lines go to a thread of their own that waits for it,
+    so the event loop never waits on its log (it would stop answering every client).
+    A backlog past BACKLOG lines is dropped and counted, in a line once lines flow."""
+
+    def __init__(self, stream: TextIO, backlog: int = BACKLOG) -> None:
+        super().__init__(stream)
+        self._lines: deque[str] = deque()
+        self._busy = False  # the writer thread is writing a line
+        self._cv = threading.Condition()
+        self._writer: threading.Thread | None = None
+        self.backlog = backlog
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:  # (under the handler's lock)
+        try:
+            line = self.format(record) + self.terminator
+            with self._cv:
+                idle = not self._lines and not self._busy
+            if idle and len(line) < _ATOMIC and self._room():
+                self.stream.write(line)
+                self.flush()
+            else:
+                self._defer(line)
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)
+
+    def _room(self) -> bool:
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            return True  # not a descriptor (a StringIO): writes never block
+        return bool(select.select([], [fd], [], 0)[1])
+
+    def _defer(self, line: str) -> None:
+        with self._cv:
+            if len(self._lines) >= self.backlog:
+                self.dropped += 1
+                return
+            self._lines.append(line)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name="kvd-log",
+                                                 daemon=True)
+                self._writer.start()
+            self._cv.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._cv:
+                while not self._lines:
+                    self._cv.wait()
+                line = self._lines.popleft()
+                dropped, self.dropped = self.dropped, 0
+                self._busy = True
+            try:
+                if dropped:
+                    self.stream.write(self.format(logging.makeLogRecord({
+                        "name": "kvd.logs", "levelno": logging.WARNING,
+                        "levelname": "WARNING", "msg": f"{dropped} log lines dropped: the "
+                        "log's reader did not keep up"})) + self.terminator)
+                self.stream.write(line)
+                self.stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing to say it on
+                pass
+            finally:
+                with self._cv:
+                    self._busy = False
+
+
 def setup_logging(level: str, stream: TextIO | None = None) -> None:
     """Configure the root logger for the daemon (replacing any earlier setup)."""
     stream = stream if stream is not None else sys.stderr
@@ -60,7 +139,7 @@ def setup_logging(level: str, stream: TextIO | None = None) -> None:
     fmt = "%(levelname)s %(name)s: %(message)s"
     if tty:
         fmt = "%(asctime)s " + fmt
-    handler = logging.StreamHandler(stream)
+    handler = NeverBlockingHandler(stream)
     handler.setFormatter(OneLineFormatter(fmt, multiline=tty,
                                           priority=not tty and stream_is_journal(stream)))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)

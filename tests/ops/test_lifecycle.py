@@ -4,6 +4,7 @@ and that a stop waits (boundedly) for transfers in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -243,6 +244,68 @@ def test_log_lines_fit_journald(tmp_path):
         assert stream_is_journal(f, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
         assert not stream_is_journal(f, {"JOURNAL_STREAM": "1:2"})
         assert not stream_is_journal(io.StringIO(), {"JOURNAL_STREAM": "1:2"})
+
+
+def test_a_log_nobody_reads_never_blocks_the_logging_thread(tmp_path):
+    """Logging wrote on the event loop's thread: with stdout a pipe nobody read, the
+    loop sat in the write once the pipe was full, and every client lost kvd."""
+    import logging
+
+    from kvd.logs import NeverBlockingHandler
+
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "w")
+    handler = NeverBlockingHandler(stream, backlog=100)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("kvd.test-pipe")
+    log.propagate, log.level = False, logging.INFO
+    log.addHandler(handler)
+    lines = [f"line {i} " + "x" * 1000 for i in range(500)]  # 500 KB: the pipe holds 64
+    done = threading.Event()
+
+    def emit_all() -> None:
+        for line in lines:
+            log.info(line)
+        done.set()
+
+    t = threading.Thread(target=emit_all, daemon=True)
+    t.start()
+    try:
+        assert done.wait(10), "logging blocked on the full pipe"
+        got = b""
+        os.set_blocking(read_end, False)  # the reader comes back
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                got += os.read(read_end, 1 << 20)
+            except BlockingIOError:
+                if b"dropped" in got and not handler._lines and not handler._busy:
+                    break
+                assert time.monotonic() < deadline, got[-300:]
+                time.sleep(0.01)
+        text = got.decode().splitlines()
+        kept = [ln for ln in text if ln.startswith("line ")]
+        order = [int(ln.split()[1]) for ln in kept]
+        assert order == list(range(len(kept)))  # in order, none lost in between
+        dropped = int(next(ln for ln in text if "dropped" in ln).split()[0])
+        assert dropped > 0 and len(kept) + dropped == 500
+    finally:
+        log.removeHandler(handler)
+        os.close(read_end)  # first: a write still blocked fails (EPIPE) rather than hangs
+        with contextlib.suppress(OSError):
+            stream.close()
+
+
+def test_a_log_file_is_written_at_once(tmp_path):
+    import logging
+
+    from kvd.logs import NeverBlockingHandler
+
+    with open(tmp_path / "log", "w") as f:
+        handler = NeverBlockingHandler(f)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.handle(logging.makeLogRecord({"msg": "now", "levelno": logging.INFO}))
+        assert (tmp_path / "log").read_text() == "now\n"  # no thread in between
 
 
 def test_daemon_log_is_plain_one_line_events(daemon_factory):
