@@ -18,6 +18,7 @@ import os
 import select
 import sys
 import threading
+import time
 from collections import deque
 from typing import TextIO
 
@@ -57,7 +58,8 @@ class OneLineFormatter(logging.Formatter):
 
 
 BACKLOG = 10_000  # lines kept for a log reader that fell behind; more are dropped, counted
-_ATOMIC = 4096  # a line this long or longer may block a pipe with room (PIPE_BUF)
+_ATOMIC = 4096  # a line of this many bytes or more may block a pipe with room (PIPE_BUF)
+CLOSE_WAIT_S = 2.0  # at exit, how long the lines still queued may take to go out
 
 
 class NeverBlockingHandler(logging.StreamHandler):
@@ -80,7 +82,7 @@ class NeverBlockingHandler(logging.StreamHandler):
             line = self.format(record) + self.terminator
             with self._cv:
                 idle = not self._lines and not self._busy
-            if idle and len(line) < _ATOMIC and self._room():
+            if idle and self._room(line):
                 self.stream.write(line)
                 self.flush()
             else:
@@ -90,24 +92,43 @@ class NeverBlockingHandler(logging.StreamHandler):
         except Exception:  # noqa: BLE001 - logging's own convention
             self.handleError(record)
 
-    def _room(self) -> bool:
+    def _room(self, line: str) -> bool:
+        """Whether writing ``line`` now cannot block."""
         try:
             fd = self.stream.fileno()
         except (AttributeError, OSError, ValueError):
             return True  # not a descriptor (a StringIO): writes never block
-        return bool(select.select([], [fd], [], 0)[1])
+        encoding = getattr(self.stream, "encoding", None) or "utf-8"
+        if len(line.encode(encoding, "replace")) >= _ATOMIC:
+            return False
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        return bool(poll.poll(0))
 
     def _defer(self, line: str) -> None:
         with self._cv:
             if len(self._lines) >= self.backlog:
                 self.dropped += 1
                 return
-            self._lines.append(line)
             if self._writer is None:
-                self._writer = threading.Thread(target=self._write, name="kvd-log",
-                                                 daemon=True)
-                self._writer.start()
-            self._cv.notify()
+                writer = threading.Thread(target=self._write, name="kvd-log", daemon=True)
+                try:
+                    writer.start()
+                except RuntimeError:  # no thread now (TasksMax): this line is dropped
+                    self.dropped += 1
+                    return
+                self._writer = writer
+            self._lines.append(line)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """At exit: the lines still queued go out, for CLOSE_WAIT_S at most (a reader
+        that never reads must not hold the process's exit)."""
+        with self._cv:
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while (self._lines or self._busy) and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
+        super().close()
 
     def _write(self) -> None:
         while True:
@@ -130,6 +151,7 @@ class NeverBlockingHandler(logging.StreamHandler):
             finally:
                 with self._cv:
                     self._busy = False
+                    self._cv.notify_all()  # (close waits for the queue to empty)
 
 
 def setup_logging(level: str, stream: TextIO | None = None) -> None:
