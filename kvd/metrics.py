@@ -312,6 +312,19 @@ class _Handler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged."""
 
+    def get_stderr(self) -> Any:
+        """wsgiref prints an application's traceback here: to the log, one line."""
+        return _LogStream()
+
+
+class _LogStream:
+    def write(self, text: str) -> None:
+        if text.strip():
+            log.debug("metrics request: %s", text.strip())
+
+    def flush(self) -> None:
+        pass
+
 
 class _Server(ThreadingMixIn, WSGIServer):
     """prometheus-client's threading WSGI server, with a bound on the connections it
@@ -338,6 +351,11 @@ class _Server(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that timed out or went away: socketserver printed a traceback
+        to stderr (a journal entry per idle connection, every 10 s)."""
+        log.debug("metrics connection from %s ended", client_address, exc_info=True)
 
 
 def _serve(addr: str, port: int, registry: CollectorRegistry) -> _Server:
