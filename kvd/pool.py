@@ -136,22 +136,22 @@ class Pool:
         except OSError:
             return ""
         if st.st_size < self.size:
-            return f"was cut to {st.st_size} of its {self.size} bytes"
+            return "was cut short"
         if self._counted and st.st_blocks * 512 < self.size:
-            return (f"lost {self.size - st.st_blocks * 512} bytes of its memory (a hole "
-                    "punched in it, or cut and grown again)")
+            return "lost part of its memory (a hole punched in it, or cut and grown again)"
         return ""
 
-    def reserve_again(self) -> None:
+    def reserve_again(self) -> str:
         """After ``damage``: the file back to its size, its pages allocated again (their
-        bytes zero). ConfigError when its filesystem has no room for them."""
+        bytes zero); why it could not be ('' when it was)."""
         try:
             if os.fstat(self._fd).st_size < self.size:
                 os.ftruncate(self._fd, self.size)
+            if self.reserved:
+                os.posix_fallocate(self._fd, 0, self.size)
         except OSError as e:
-            raise ConfigError(f"cannot size pool file {self.path} again: {e.strerror}") from None
-        if self.reserved:
-            _reserve(self._fd, self.path, self.size)
+            return f"cannot reserve it again: {e.strerror}"
+        return ""
 
     def _prefault(self) -> None:
         rc = _libc.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size),

@@ -386,6 +386,9 @@ class Service:
             if self.transfers.stalled:  # its copy would not run; the engine holds the blocks
                 raise KvdError("copies are overdue (the copy path is stuck): stores are "
                                "refused until they end", m.Code.BUSY)
+            if self.pool_fault:  # what it stored would be dropped at the next tick
+                raise KvdError(f"the pool file {self.pool_fault}: stores are refused until "
+                               "it is whole again", m.Code.BUSY)
             # Three quarters of the pool at most per tenant, whatever its connections:
             # a scheduler that never stores (or several of one fingerprint) must not
             # hold every slot PENDING, evicting every tenant's blocks.
@@ -461,7 +464,6 @@ class Service:
 
     def tick(self) -> None:
         now = self.clock()
-        self._check_pool()
         self.index.expire(now)
         self.transfers.expire(now)
         limit = self.config.client_timeout_ms / 1000
@@ -473,6 +475,7 @@ class Service:
             log.warning("client %d (pid %d) silent for %.1fs: dropped",
                         self.clients[identity].id, self.clients[identity].pid, limit)
             self.client_gone(identity)
+        self._check_pool()
         self.commit()
         if self.kv_events is not None:
             self.kv_events.flush()
@@ -487,20 +490,26 @@ class Service:
         made whole again."""
         why = self.pool.damage()
         if not why:
+            if self.pool_fault:  # (whole again by some other hand)
+                log.warning("pool file %s is whole again: stores are taken again",
+                            self.pool.path)
             self.pool_fault = ""
             return
         state = self.index.state
         dropped = self.index.discard(np.flatnonzero(state == READY).tolist())
         dropped += self.index.abort(np.flatnonzero(state == PENDING))
-        try:
-            self.pool.reserve_again()
-        except KvdError as e:
-            why = f"{why}; reserving it again failed: {e}"
-        if dropped or why != self.pool_fault:
+        if failed := self.pool.reserve_again():
+            why = f"{why}; {failed}"
+        whole = not self.pool.damage()
+        if not self.pool_fault:  # once per fault (stores are refused meanwhile)
             log.error("pool file %s %s: its blocks may have lost their bytes; %d blocks "
-                      "dropped, none is served from it before it is whole again",
-                      self.pool.path, why, dropped)
-        self.pool_fault = why if self.pool.damage() else ""
+                      "dropped; %s", self.pool.path, why, dropped,
+                      "it is whole again" if whole else
+                      "stores are refused until it is whole again")
+        elif whole:
+            log.warning("pool file %s is whole again: stores are taken again",
+                        self.pool.path)
+        self.pool_fault = "" if whole else why
 
     def client_gone(self, identity: bytes, why: str = "gone") -> None:
         client = self.clients.pop(identity, None)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import pytest
 
 from kvd.cli import ctl
 from kvd_proto.ids import unpack_u32
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
+from tests.daemon.test_pool_space import small_tmpfs  # noqa: F401 - a fixture
 from tests.daemon.workers import Spec, Worker
 from tests.waiting import wait_for
 
@@ -70,4 +72,42 @@ def test_blocks_of_a_pool_file_tampered_with_are_never_served(daemon_factory, ta
     finally:
         a.close()
         b.close()
+        sched.close()
+
+
+def test_while_the_pool_cannot_be_made_whole_stores_are_refused_and_said_once(
+        daemon_factory, small_tmpfs, capsys):
+    """With its filesystem full, the punched pool cannot be reserved again: every tick
+    dropped what was stored since and logged an ERROR, four times a second."""
+    from kvd_client import RemoteError
+    from kvd_proto import messages as m
+
+    pool = str(small_tmpfs / "kvd.pool")
+    d = daemon_factory("--pool-size", "8M", "--pool-path", pool)
+    spec = Spec(d.socket)
+    sched = scheduler(d, spec)
+    a = Worker(spec)
+    filler = small_tmpfs / "filler"
+    try:
+        assert a.store(1, range(4), allocate(sched, keys(4)))[1] == 0
+        punch(pool, 0, 4 << 20)
+        with open(filler, "wb") as f:  # the room the hole gave back, and more
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+        assert wait_for(lambda: d.status()["pool"]["fault"], 5)
+        with pytest.raises(RemoteError) as e:
+            allocate(sched, keys(4, "during"))
+        assert e.value.code == m.Code.BUSY and "refused until it is whole" in e.value.message
+        assert ctl.main(["--socket", d.socket, "health"]) == 1
+        assert "unhealthy: the pool file lost part of its memory" in capsys.readouterr().out
+        time.sleep(1)  # four ticks: said once
+        assert d.logs().count("its blocks may have lost their bytes") == 1
+        filler.unlink()  # room again: made whole at the next tick
+        assert wait_for(lambda: not d.status()["pool"]["fault"], 5)
+        assert "is whole again: stores are taken again" in d.logs()
+        assert a.store(2, range(4, 8), allocate(sched, keys(4, "after")))[1] == 0
+    finally:
+        a.close()
         sched.close()
