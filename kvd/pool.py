@@ -57,10 +57,11 @@ TMPFS_MAGIC = 0x01021994
 def _on_tmpfs(fd: int) -> bool:
     """Whether the file is in a tmpfs (/dev/shm), where a reserved file's block count is
     its size for as long as nobody frees its pages (a compressing filesystem's is not)."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first
-    if _libc.fstatfs(fd, buf) != 0:
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first (a long, or an
+    if _libc.fstatfs(fd, buf) != 0:  # unsigned int on s390x)
         return False
-    return ctypes.c_long.from_buffer(buf).value == TMPFS_MAGIC
+    return TMPFS_MAGIC in (ctypes.c_long.from_buffer(buf).value,
+                           ctypes.c_uint.from_buffer(buf).value)
 
 
 def _unlink(path: str) -> None:

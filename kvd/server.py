@@ -182,7 +182,8 @@ class Server:
         """The socket file removed while serving (a cleanup of the directory, a careless
         rm): clients connected go on, but a restarted engine or kvdctl finds nothing
         and runs without kvd. Bound again, as a removed journal is written again; a
-        path another daemon has bound since is left to it."""
+        path another daemon has bound since is left to it. The old listener keeps its
+        descriptor (one per removal): unbinding it would drop the connected clients."""
         if self._bound is None or os.path.lexists(self.config.socket):
             self._rebind_error = ""
             return
