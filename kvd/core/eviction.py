@@ -90,7 +90,7 @@ class Evictor:
             colder: list[np.ndarray] = []
             chosen, cut = self._victims(want, need, SCAN + 4 * need, colder)
             if colder:  # whole extents of other sizes colder than these: they go first
-                n = self._empty_cold_extents(tenant, n_new, np.concatenate(colder), out)
+                n = self._empty_extents(tenant, n_new, out, np.concatenate(colder))
                 chosen = chosen[:max(0, n_new - allocator.free_slots(want))]
         n += self._evict_keys(chosen, tenant, out)
         if allocator.free_slots(want) < n_new:  # still short
@@ -145,37 +145,22 @@ class Evictor:
             chunk *= 2
         return chosen[:need], False
 
-    def _empty_cold_extents(self, tenant: Tenant, n_new: int, colder: np.ndarray,
-                            out: list[bytes]) -> int:
-        """Room for ``n_new`` slots of ``tenant``'s size from extents of other sizes
-        whose every slot in use holds one of the ``colder`` blocks (READY, unpinned, and
-        before the caller's own victims in the policy's order, coldest first): the
-        policy would evict all of them before those, so they go instead. Without this,
-        a size's own blocks went first whenever the scan found enough of them: in a pool
-        of fewer blocks than the scan reads, the split between sizes never changed, and
-        a tenant that left kept its extents for good."""
-        ix = self.ix
-        alloc = ix.allocator
-        want = tenant.slot_bytes
-        short = n_new - alloc.free_slots(want)
-        if short <= 0:
-            return 0
-        picked = alloc.whole_extents(colder, -(-short // alloc.per_extent(want)))
-        if not picked:
-            return 0
-        mine = np.isin(colder // alloc.slots_per_extent_max, list(picked))
-        keys = list(map(ix._slot_key.__getitem__, colder[mine].tolist()))
-        deque(map(ix.policy.remove, keys), maxlen=0)  # not its victims: its own order
-        return self._evict_keys(keys, tenant, out, told=True)
-
-    def _empty_extents(self, tenant: Tenant, n_new: int, out: list[bytes]) -> int:
+    def _empty_extents(self, tenant: Tenant, n_new: int, out: list[bytes],
+                       colder: np.ndarray | None = None) -> int:
         """Room for ``n_new`` slots of ``tenant``'s size by emptying whole extents of
         other sizes. Only an extent whose every block is READY and unpinned can empty: a
         lease or a store in one keeps it (evicting its other blocks freed nothing, and
         evicting in policy order until the policy ran dry emptied another tenant's whole
         cache for no slot). Fewest blocks first: the least lost per extent freed. Rows
         are checked one extent at a time until enough can empty, so a large pool is not
-        scanned whole on every short Allocate."""
+        scanned whole on every short Allocate.
+
+        With ``colder`` (the other sizes' blocks before the caller's own victims in the
+        policy's order, coldest first): only extents all of whose blocks are among them,
+        coldest first. The policy would evict all of those before the caller's victims,
+        so they go instead; without this, a size's own blocks went first whenever the
+        scan found enough of them, and in a pool of fewer blocks than the scan reads the
+        split between sizes never changed (a tenant that left kept its extents)."""
         ix = self.ix
         alloc = ix.allocator
         want = tenant.slot_bytes
@@ -186,13 +171,16 @@ class Evictor:
         state, pins = ix.state, ix.pins
         need = -(-short // alloc.per_extent(want))
         extents: list[int] = []
-        for e in alloc.other_extents(want):  # a row per extent, until enough can empty
-            row = slice(e * spm, (e + 1) * spm)
-            if pins[row].any() or (state[row] == PENDING).any():
-                continue
-            extents.append(e)
-            if len(extents) == need:
-                break
+        if colder is not None:
+            extents = sorted(alloc.whole_extents(colder, need))
+        else:
+            for e in alloc.other_extents(want):  # a row per extent, until enough can empty
+                row = slice(e * spm, (e + 1) * spm)
+                if pins[row].any() or (state[row] == PENDING).any():
+                    continue
+                extents.append(e)
+                if len(extents) == need:
+                    break
         if not extents:
             return 0
         ext = np.array(extents, dtype=np.int64)

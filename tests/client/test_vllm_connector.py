@@ -128,6 +128,16 @@ def store(mgr, worker, keys, blocks, job_id: int) -> None:
     mgr.on_request_finished(ctx)
 
 
+def hit(mgr, worker, tag: str, req_id: str, n: int = 3) -> tuple[list[bytes], ReqContext]:
+    """``n`` blocks stored, then a request whose Lookup hits all of them (leased)."""
+    keys = keys_for(tag, n)
+    store(mgr, worker, keys, list(range(1, n + 1)), job_id=0)
+    ctx = request(req_id, keys)
+    mgr.on_new_request(ctx)
+    assert answer(mgr, ctx, keys) == [HIT] * n
+    return keys, ctx
+
+
 def test_lookup_batches_leases_and_loads_once(engine_side, daemon):
     mgr, worker, storage = engine_side
     keys = keys_for("a", 4)
@@ -169,11 +179,7 @@ def test_a_preempted_request_that_loaded_looks_up_again(engine_side):
     """A request loads from kvd once; preempted, it lost its blocks and its KV is
     recomputed in full unless it may ask kvd again (memory is tight exactly then)."""
     mgr, worker, _ = engine_side
-    keys = keys_for("p", 3)
-    store(mgr, worker, keys, [1, 2, 3], job_id=0)
-    ctx = request("r-pre", keys)
-    mgr.on_new_request(ctx)
-    assert answer(mgr, ctx, keys) == [HIT] * 3
+    keys, ctx = hit(mgr, worker, "p", "r-pre")
     spec = mgr.prepare_load(keys, ctx)
     assert worker.submit_load(1, spec, gpu([10, 11, 12]))
     worker.wait({1})
@@ -187,11 +193,7 @@ def test_a_preempted_request_that_loaded_looks_up_again(engine_side):
 
 def test_lease_released_when_request_finishes(engine_side, daemon):
     mgr, worker, _ = engine_side
-    keys = keys_for("b", 3)
-    store(mgr, worker, keys, [1, 2, 3], job_id=0)
-    ctx = request("r3", keys)
-    mgr.on_new_request(ctx)
-    assert answer(mgr, ctx, keys) == [HIT] * 3
+    keys, ctx = hit(mgr, worker, "b", "r3")
     assert daemon.status()["blocks"]["leases"] == 1
     mgr.on_request_finished(ctx)
     time.sleep(0.2)
@@ -203,11 +205,7 @@ def test_a_load_handed_out_before_its_request_ended_keeps_its_lease(engine_side,
     and calls complete_load after the end. Released at the end, the lease was gone when
     the load's Transfer came: the load failed EXPIRED, counted as a kvd error."""
     mgr, worker, storage = engine_side
-    keys = keys_for("end", 3)
-    store(mgr, worker, keys, [1, 2, 3], job_id=0)
-    ctx = request("r-aborted", keys)
-    mgr.on_new_request(ctx)
-    assert answer(mgr, ctx, keys) == [HIT] * 3
+    keys, ctx = hit(mgr, worker, "end", "r-aborted")
     spec = mgr.prepare_load(keys, ctx)
     mgr.on_request_finished(ctx)  # aborted: ends in the step that sends its load
     time.sleep(0.2)  # (a Release would have reached the daemon by now)
@@ -230,11 +228,7 @@ def test_an_ended_request_whose_load_never_completes_gives_its_lease_back(daemon
     worker = KvdWorker(options(daemon.socket), fp, caches, rank=0)
     try:
         assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
-        keys = keys_for("never", 2)
-        store(mgr, worker, keys, [1, 2], job_id=0)
-        ctx = request("r-lost", keys)
-        mgr.on_new_request(ctx)
-        assert answer(mgr, ctx, keys) == [HIT] * 2
+        keys, ctx = hit(mgr, worker, "never", "r-lost", n=2)
         mgr.prepare_load(keys, ctx)
         mgr.on_request_finished(ctx)
         assert wait_leases(daemon, 1) == 1

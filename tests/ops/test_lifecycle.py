@@ -564,15 +564,21 @@ def test_signals_kvd_does_not_use_are_logged_and_ignored(daemon_factory):
     assert d.stop() == 0
 
 
+def _serving_lifecycle(asked: list[int]) -> Lifecycle:
+    """A serving daemon's lifecycle whose reloads read nothing but count in ``asked``."""
+    server = _FakeDaemon(inflight=0, stop_timeout_ms=300)
+    life = Lifecycle(server, None, lambda: asked.append(1) or (server.config, {}),
+                     notifier=Notifier(None))
+    life.status_line = lambda: "x"
+    life.phase = "serving"
+    return life
+
+
 def test_a_reload_signal_while_stopping_is_not_applied():
     """systemd would see RELOADING=1 and READY=1 after STOPPING=1."""
     async def scenario():
-        server = _FakeDaemon(inflight=0, stop_timeout_ms=300)
-        asked = []
-        life = Lifecycle(server, None, lambda: asked.append(1) or (server.config, {}),
-                         notifier=Notifier(None))
-        life.status_line = lambda: "x"
-        life.phase = "serving"
+        asked: list[int] = []
+        life = _serving_lifecycle(asked)
         life.reload()
         while life._reading:  # the read runs on its thread
             await asyncio.sleep(0.01)
@@ -590,12 +596,8 @@ def test_a_reload_whose_thread_cannot_start_fails_and_the_next_one_is_read(monke
     """A thread that could not start (TasksMax, memory) left the reload marked as being
     read for good: every later SIGHUP was put off 'until after it', and nothing applied."""
     async def scenario():
-        server = _FakeDaemon(inflight=0, stop_timeout_ms=300)
-        asked = []
-        life = Lifecycle(server, None, lambda: asked.append(1) or (server.config, {}),
-                         notifier=Notifier(None))
-        life.status_line = lambda: "x"
-        life.phase = "serving"
+        asked: list[int] = []
+        life = _serving_lifecycle(asked)
         start = threading.Thread.start
 
         def cannot_start(self):
