@@ -83,11 +83,14 @@ def attach_memory(engines: dict[str, TransferEngine], client: Client,
             f"{len(regions)} memory regions for a fingerprint of {len(pages)} tensors",
             m.Code.SIZE_MISMATCH)
     for r, page in zip(regions, pages):
-        if kind == "host" and not (0 < r.base and r.num_blocks > 0 and r.base + (
+        if r.num_blocks <= 0:
+            raise RequestError(f"a memory region of {r.num_blocks} blocks: it has none",
+                               m.Code.SIZE_MISMATCH)
+        if kind == "host" and not (0 < r.base and r.base + (
                 r.num_blocks - 1) * r.stride + r.page_bytes <= 1 << 64):
             raise RequestError(f"host region at {r.base:#x} of {r.num_blocks} blocks "
                                "is not inside the address space", m.Code.SIZE_MISMATCH)
-        if r.page_bytes != page or r.num_blocks <= 0 or r.stride < r.page_bytes:
+        if r.page_bytes != page or r.stride < r.page_bytes:
             raise RequestError(
                 f"region page {r.page_bytes} B / stride {r.stride} B / "
                 f"{r.num_blocks} blocks does not match the fingerprint's {page} B pages",

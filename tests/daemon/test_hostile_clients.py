@@ -132,6 +132,17 @@ def test_a_host_region_outside_the_address_space_is_refused(service):
         assert isinstance(reply, m.Error) and "address space" in reply.message
 
 
+def test_a_region_of_no_blocks_is_refused_as_such(service):
+    """It was refused as 'not inside the address space', which sent one looking at the
+    address."""
+    spec = Spec("unused", seed=3)
+    regions = [m.HostRegion(1 << 30, 0, p, p) for p in spec.pages]
+    reply = service.handle(b"w", hello(service, b"w"), m.Register(2, fingerprint(spec), 0,
+                                                                   regions))
+    assert isinstance(reply, m.Error) and reply.code == m.Code.SIZE_MISMATCH
+    assert "of 0 blocks: it has none" in reply.message
+
+
 def test_a_register_refused_at_its_memory_leaves_no_tenant(service):
     spec = Spec("unused", seed=4)
     mem = make_memory(spec)
