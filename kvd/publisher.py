@@ -265,6 +265,7 @@ class KvEvents:
         self.on_pending: Callable[[], None] | None = None
         self._encode = msgspec.msgpack.Encoder().encode
         self._topics: dict[int, bytes] = {}
+        self._prune_topics_at = 64  # (see _forget_topics)
         # Topics this daemon has spoken on since it started: the first batch on a topic
         # opens with AllBlocksCleared, so a router drops what an earlier daemon on this
         # node announced (a restart without --persist keeps nothing of it).
@@ -318,6 +319,7 @@ class KvEvents:
             if evs:
                 batches.append((topic, self._encode(KVEventBatch(ts, evs)), len(evs)))
         self.publisher.publish(batches)
+        self._forget_topics()
 
     def heartbeat(self) -> None:
         """An empty batch on each topic this run has spoken on. Sent when a subscriber
@@ -351,6 +353,17 @@ class KvEvents:
         holds = self.holds
         return [e for e in events if e[0] != "drop"
                 or not any(holds(o, e[3]) for o in others.get(e[2], ()))]
+
+    def _forget_topics(self) -> None:
+        """The topics of tenants gone (dropped at the tenant limit), once their last
+        events went out: each new fingerprint left one for good. Looked at when the
+        table has doubled since, so the cost per flush stays constant."""
+        if len(self._topics) <= self._prune_topics_at:
+            return
+        live = set(self.tenants())
+        for tid in [t for t in self._topics if t not in live]:
+            del self._topics[tid]
+        self._prune_topics_at = 2 * len(self._topics) + 64
 
     def _topic(self, tenant_id: int) -> bytes:
         t = self._topics.get(tenant_id)

@@ -328,6 +328,7 @@ class Service:
         only serve an engine of the same fingerprint, which then gets a new tenant; the
         tiers find theirs again by the fingerprint's digest."""
         for t, n in self.tenants.make_room(self.index.evict_tenant):
+            self.index.forget(t)
             if self.persist is not None:
                 self.persist.tenant_dropped()
             log.info("tenant %d (%s), without clients, dropped with %d blocks: the tenant "

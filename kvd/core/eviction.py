@@ -236,11 +236,14 @@ class Evictor:
             ready_map = ix._ready.get(tid, {})
             deque(map(ready_map.pop, plain, repeat(None)), maxlen=0)
             tenants[0].blocks -= is_ready.count(True)
+            self.forget_empty(tenants[0], only_dropped=True)
         else:
             for t, key, r in zip(tenants, plain, is_ready):
                 del ix._spaces[t.id][key]
                 ix._ready.get(t.id, {}).pop(key, None)
                 t.blocks -= r
+            for t in {t.id: t for t in tenants}.values():
+                self.forget_empty(t, only_dropped=True)
         if ix.checksums or ix.record:
             for slot, r, t, key in zip(slots, is_ready, tenants, plain):
                 if r:
@@ -270,6 +273,7 @@ class Evictor:
         t = ix._slot_tenant.pop(slot)
         del ix._spaces[t.id][key[4:]]
         ix._ready.get(t.id, {}).pop(key[4:], None)
+        self.forget_empty(t, only_dropped=True)
         if ix.state[slot] == READY:
             t.blocks -= 1
             ix.checksums.pop(slot, None)
@@ -281,6 +285,16 @@ class Evictor:
             ix._doomed.add(slot)  # an in-flight copy still uses it
         else:
             self.free(slot)
+
+    def forget_empty(self, tenant: Tenant, only_dropped: bool = False) -> None:
+        """The key tables of ``tenant`` (dropped, when ``only_dropped``) once it holds no
+        key: nothing else removes a tenant's entries."""
+        if only_dropped and not tenant.dropped:
+            return
+        ix = self.ix
+        if not ix._spaces.get(tenant.id, True):
+            del ix._spaces[tenant.id]
+            ix._ready.pop(tenant.id, None)
 
     def free(self, slot: int) -> None:
         """Return an unpinned, dropped slot to the allocator."""

@@ -528,6 +528,12 @@ class Index:
         """Admin eviction of READY unpinned blocks (one tenant, or all when None)."""
         return self.evictor.evict_tenant(tenant)
 
+    def forget(self, tenant: Tenant) -> None:
+        """A tenant dropped (the tenant limit): its key tables go, now if empty, else
+        with its last block (``Evictor``). Each new fingerprint (engines restarted with
+        a random root hash) left two for good."""
+        self.evictor.forget_empty(tenant)
+
     def expire(self, now: float) -> tuple[int, int]:
         """Release leases and PENDING stores past their deadlines."""
         self.flush()

@@ -417,3 +417,33 @@ def test_uptime_does_not_follow_the_wall_clock_back(service, monkeypatch):
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() - 3600)
     assert 0 <= service.status()["uptime_s"] < 600
+
+
+def test_tenants_dropped_at_the_limit_leave_no_tables_behind(tmp_path):
+    """Each new fingerprint (engines restarted with a random root hash) left its key
+    tables in the index and its topic in the KV events for good, though the tenant was
+    dropped at the limit: about 4 KiB per engine restart, for as long as kvd ran."""
+    path = f"/dev/shm/kvd-test-{uuid.uuid4().hex[:8]}.pool"
+    cfg = Config(pool_size=8 << 20, extent_size=1 << 20, pool_path=path, max_tenants=2,
+                 events_endpoint=f"ipc://{tmp_path}/events.ipc")
+    pool = Pool(path, cfg.pool_size, prefault=False)
+    svc = Service(cfg, pool, {}, lambda ident, reply: None)
+    try:
+        for i in range(200):
+            ident = f"engine-{i}".encode()
+            reply = svc.handle(ident, hello(svc, ident), m.Register(
+                2, fingerprint(Spec("unused", model=f"m{i}")), -1))
+            assert isinstance(reply, m.Registered), reply
+            tenant = svc.clients[ident].tenant
+            slots = svc.index.allocate(tenant, [b"k" * 36]).slots
+            svc.index.store_done(np.array(slots, dtype=np.int64), 0)
+            svc.commit()
+            svc.idle()  # the events go out
+            svc.client_gone(ident)
+        assert len(svc.tenants) == 2
+        assert len(svc.index._spaces) <= 2 and len(svc.index._ready) <= 2
+        assert len(svc.kv_events._topics) < 200 // 2
+    finally:
+        if svc.kv_events is not None:
+            svc.kv_events.close()
+        pool.close(unlink=True)
