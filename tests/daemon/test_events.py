@@ -674,10 +674,15 @@ def test_stuck_subscriber_does_not_slow_stores(daemon_factory, tmp_path):
         # A publisher that blocked on the full subscriber would stall the loop here
         # (each store waits for its Done): 30 more stores go through after it filled.
         assert after == 30, st
-        assert worst < 2.0, f"a store took {worst:.2f} s with a stuck subscriber"
+        # (A publisher that blocked would hold a store until its timeout: this bound is
+        # loose for a loaded machine, not a figure.)
+        assert worst < 10.0, f"a store took {worst:.2f} s with a stuck subscriber"
         time.sleep(0.5)
-        # The healthy subscriber missed nothing: every sequence, in order.
-        assert got == list(range(got[0], st["next_seq"])) and got[0] == first
+        # The healthy subscriber missed nothing once it had joined: every sequence, in
+        # order (on a loaded machine its subscription may reach the daemon after the
+        # first batches, which it then does not see).
+        assert got and got[0] >= first
+        assert got == list(range(got[0], st["next_seq"]))
     finally:
         stop.set()
         reader.join(5)
