@@ -353,7 +353,7 @@ def test_answers_a_newer_daemon_gives_end_what_they_answer_at_once(tmp_path):
     path = str(tmp_path / "fake.sock")
     t, stop = misbehaving_daemon(path, _new_error, ping=_new_error)
     dones: list[m.Done] = []
-    c = Connection(path, on_done=dones.append, transfer_timeout=30, timeout=1,
+    c = Connection(path, on_done=dones.append, transfer_timeout=30, timeout=3,
                    ping_interval=0.1)
     try:
         assert c.wait_up(5)
@@ -363,7 +363,7 @@ def test_answers_a_newer_daemon_gives_end_what_they_answer_at_once(tmp_path):
         assert wait_for(lambda: dones, 5) and time.monotonic() - t0 < 2
         assert (dones[0].event, dones[0].code) == (5, m.Code.INTERNAL)
         epoch = c.epoch
-        time.sleep(2.5)  # pings every 0.1 s, each answered so: the connection stays
+        time.sleep(7)  # pings every 0.1 s, each answered so: the connection stays
         assert c.up and c.epoch == epoch, c._io.why_down  # (never registered again)
     finally:
         c.close()
@@ -381,7 +381,7 @@ def test_a_handshake_a_newer_daemon_refuses_or_speaks_another_version_is_a_refus
     t, stop = misbehaving_daemon(path, _new_error, hello=hello)
     c = Connection(path, timeout=5)
     try:
-        assert wait_for(lambda: c._io.why_down, 2), "still handshaking"
+        assert wait_for(lambda: c._io.why_down, 4), "still handshaking"  # (timeout: 5 s)
         assert not c.up and not c.handshaking
         with pytest.raises(Unavailable):
             c.request(m.Ping(c.next_req()))

@@ -224,7 +224,7 @@ def test_an_ended_request_whose_load_never_completes_gives_its_lease_back(daemon
     out (at the next step's end), not at the connection's close."""
     fp = make_fingerprint(FACTS, b"root")
     caches, _ = kv_caches()
-    mgr = KvdManager(options(daemon.socket, lease_ms=2000), fp, FACTS)
+    mgr = KvdManager(options(daemon.socket, lease_ms=4000), fp, FACTS)
     worker = KvdWorker(options(daemon.socket), fp, caches, rank=0)
     try:
         assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
@@ -234,7 +234,7 @@ def test_an_ended_request_whose_load_never_completes_gives_its_lease_back(daemon
         assert wait_leases(daemon, 1) == 1
         mgr.on_schedule_end(END)
         assert mgr._ended_loading  # its margin (0.8 of the lease) still runs
-        time.sleep(1.7)
+        time.sleep(3.3)
         mgr.on_schedule_end(END)
         assert not mgr._ended_loading and wait_leases(daemon, 0) == 0
     finally:

@@ -298,12 +298,15 @@ def test_a_log_nobody_reads_never_blocks_the_logging_thread(tmp_path):
             stream.close()
 
 
-def test_lines_still_queued_when_the_log_closes_go_out():
+def test_lines_still_queued_when_the_log_closes_go_out(monkeypatch):
     """At exit the writer thread, a daemon thread, died with the lines it held: the
     stop's last lines were the ones lost."""
     import logging
 
+    from kvd import logs
     from kvd.logs import NeverBlockingHandler
+
+    monkeypatch.setattr(logs, "CLOSE_WAIT_S", 30.0)  # (it returns once drained)
 
     read_end, write_end = os.pipe()
     stream = os.fdopen(write_end, "w")
