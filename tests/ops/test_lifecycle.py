@@ -425,10 +425,15 @@ def test_a_stopping_daemon_leaves_the_socket_of_the_daemon_that_replaced_it(
     path; A's stop then removed B's socket, and every engine reconnecting afterwards
     served without kvd until B restarted."""
     a = daemon_factory()
-    os.unlink(a.socket)
-    b = daemon_factory(start=False)
-    b.socket = a.socket
-    b.start()
+    os.kill(a.pid, signal.SIGSTOP)  # (else A binds the removed path again at its tick)
+    try:
+        os.unlink(a.socket)
+        b = daemon_factory(start=False)
+        b.socket = a.socket
+        b.start()
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    time.sleep(0.5)  # A's ticks: the path is B's, left alone
     assert a.stop() == 0
     assert os.path.exists(b.socket)
     assert "pool" in b.status()  # new connections reach B
@@ -696,11 +701,12 @@ def test_a_daemon_started_with_stdout_or_stderr_closed_serves_and_stops_cleanly(
     tag = uuid.uuid4().hex[:8]
     sock, pool = str(tmp_path / "kvd.sock"), f"/dev/shm/kvd-test-{tag}.pool"
     log = tmp_path / "kvd.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvd.cli.serve", "serve", "--socket", sock, "--pool-path",
              pool, "--pool-size", "64M", "--extent-size", "1M", "--metrics-port", "0",
-             "--persist"], stdout=out, stderr=out,
+             "--persist"], stdout=out, stderr=out, env=env,
             preexec_fn=lambda: [os.close(fd) for fd in closed])  # noqa: PLW1509
     try:
         wait_ready(sock, proc, 20, log)
