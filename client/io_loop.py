@@ -438,28 +438,16 @@ class IOLoop:
     def handshake(self, reply: m.Reply) -> None:
         c = self.c
         if isinstance(reply, m.Error):
-            why = f"refused: {reply.message}"
-            if why != self.why_down:  # retried every 5 s: said once per reason
-                log.warning("kvd refused the handshake: %s", reply.message)
-            self.lost(why, quiet=True)
-            self.next_attempt = time.monotonic() + 5.0  # a refusal will not fix itself fast
-            return
+            return self.refused(f"refused: {reply.message}",
+                                f"kvd refused the handshake: {reply.message}")
         if isinstance(reply, m.HelloOk):
             if reply.version != m.PROTOCOL_VERSION:  # (a daemon that takes older clients
                 # but speaks another version: nothing it says can be trusted as read)
                 why = f"kvd speaks protocol {reply.version}, this client {m.PROTOCOL_VERSION}"
-                if why != self.why_down:
-                    log.warning("%s: running without kvd", why)
-                self.lost(why, quiet=True)
-                self.next_attempt = time.monotonic() + 5.0
-                return
+                return self.refused(why, f"{why}: running without kvd")
             if not 0 <= reply.daemon_pid <= MAX_PID:  # (-1 would let anyone ptrace us)
-                why = f"bad HelloOk (pid {reply.daemon_pid})"
-                if why != self.why_down:
-                    log.warning("kvd's HelloOk names pid %d, no process", reply.daemon_pid)
-                self.lost(why, quiet=True)
-                self.next_attempt = time.monotonic() + 5.0
-                return
+                return self.refused(f"bad HelloOk (pid {reply.daemon_pid})",
+                                    f"kvd's HelloOk names pid {reply.daemon_pid}, no process")
             self.greeted = True
             if c.instance and c.instance != reply.instance:
                 c.stats.reconnects += 1
@@ -475,6 +463,14 @@ class IOLoop:
             self.raw_send(reg)
         elif isinstance(reply, m.Registered):
             self.ready(reply)
+
+    def refused(self, why: str, warning: str) -> None:
+        """A handshake that cannot go on: down for ``why``, said once per reason, tried
+        again in 5 s (a refusal will not fix itself fast)."""
+        if why != self.why_down:
+            log.warning("%s", warning)
+        self.lost(why, quiet=True)
+        self.next_attempt = time.monotonic() + 5.0
 
     def ready(self, reg: m.Registered | None) -> None:
         c = self.c

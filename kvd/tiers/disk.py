@@ -234,12 +234,15 @@ class DiskTier(Tier):
         self._slot_key[put.slot] = key
         self.policy.insert(key, put.depth)
 
-    def _empty_extents(self, slot_bytes: int, n: int) -> list[int]:
+    def _empty_extents(self, slot_bytes: int, n: int,
+                       colder: list[int] | None = None) -> list[int]:
         """Room for ``n`` slots of ``slot_bytes`` by emptying whole extents of other
         sizes, fewest blocks first (the least lost per extent freed), as the RAM
         evictor does: evicting in policy order until an extent happened to empty took,
         where each extent held one recent block, nearly the whole tier. An extent with
-        a slot set aside (a bad sector) never empties and is passed over."""
+        a slot set aside (a bad sector) never empties and is passed over. With
+        ``colder`` (other sizes' blocks before the caller's own victims): only extents
+        all of whose blocks are among them, coldest first (``Evictor._empty_extents``)."""
         alloc, slot_key = self.allocator, self._slot_key
         short = n - alloc.free_slots(slot_bytes)
         if short <= 0:
@@ -247,7 +250,8 @@ class DiskTier(Tier):
         need = -(-short // alloc.per_extent(slot_bytes))
         spm = alloc.slots_per_extent_max
         keys: list[bytes] = []
-        for e in alloc.other_extents(slot_bytes):
+        for e in (alloc.other_extents(slot_bytes) if colder is None
+                  else sorted(alloc.whole_extents(colder, need))):
             per = alloc.per_extent(alloc.slot_bytes_of(e * spm) or slot_bytes)
             held = list(filter(None, map(slot_key.get, range(e * spm, e * spm + per))))
             if len(held) != alloc.used_in(e):
@@ -300,11 +304,7 @@ class DiskTier(Tier):
             # sizes' emptiest extents
             colder: list[int] = []
             own = self._own_victims(slot_bytes, short, SCAN + 4 * short, colder)
-            picked = alloc.whole_extents(colder, -(-short // alloc.per_extent(slot_bytes)))
-            spm = alloc.slots_per_extent_max
-            cold = [self._slot_key[s] for s in colder if s // spm in picked] if picked else []
-            deque(map(policy.remove, cold), maxlen=0)  # not its victims: its own order
-            freed = self._drop(cold)
+            freed = self._empty_extents(slot_bytes, n, colder) if colder else []
             own = own[:max(0, n - alloc.free_slots(slot_bytes))]
             policy.evicted_many(own)
             freed += self._drop(own)
