@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ def read_records(path: str, decoder: msgspec.msgpack.Decoder | None = None, *,
     ``decoder`` reads another journal's record types (default: this module's)."""
     dec = _dec if decoder is None else decoder
     try:
-        with open(path, "rb") as f:
+        with open(_open_regular(path, os.O_RDONLY), "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return
@@ -158,7 +159,7 @@ class Journal:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._fd = _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self.records = 0
         self.bytes = os.fstat(self._fd).st_size
 
@@ -224,6 +225,22 @@ class Journal:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _open_regular(path: str, flags: int) -> int:
+    """Open a journal that must be a regular file: a FIFO put in its place would hold
+    the daemon's start (or its event loop) in ``open`` until a peer came."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # a FIFO without a reader, opened to write
+            raise
+        fd = -1
+    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd >= 0:
+            os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd
 
 
 def _write_all(fd: int, data: bytes, path: str) -> None:

@@ -30,3 +30,17 @@ def child_exit(pid: int, timeout: float) -> int | None:
         os.waitpid(pid, 0)
         return None
     return os.waitstatus_to_exitcode(done[1])
+
+
+def in_child(check: Callable[[], bool], timeout: float) -> int | None:
+    """Run ``check`` in a forked child: 0 when it returned true, 1 when false, 2 when it
+    raised, None when it did not end within ``timeout`` seconds (a call that blocks
+    for good fails a test instead of hanging the suite)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 2
+        try:
+            code = 0 if check() else 1
+        finally:
+            os._exit(code)
+    return child_exit(pid, timeout)

@@ -41,7 +41,8 @@ def open_files(path: str, size: int) -> Opened:
         os.close(fd)
         busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
         raise ConfigError(f"disk tier: {data} is in use by another process" if busy
-                          else f"disk tier: cannot open {data}: {e}") from None
+                          else f"disk tier: cannot open {e.filename or data}: "
+                          f"{e.strerror or e}") from None
     return Opened(fd, journal, reused, existed)
 
 

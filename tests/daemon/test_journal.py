@@ -5,6 +5,7 @@ import os
 import pytest
 
 from kvd.journal import Commit, Drop, Header, Journal, TenantRec, read_records, replay
+from tests.waiting import in_child
 
 H = Header(1 << 20, 1 << 16, 4096)
 
@@ -63,3 +64,20 @@ def test_a_short_write_leaves_no_torn_frame_between_good_ones(tmp_path, monkeypa
     j.append([Commit(1, b"c", 2, 0, [3])])
     j.close()
     assert [b.key for b in replay(path).blocks.values()] == [b"a", b"c"]
+
+
+def test_a_fifo_in_the_journals_place_is_refused_not_waited_on(tmp_path):
+    """A start opened the journal without a word and waited in ``open`` for a peer
+    that never came (a FIFO put there by mistake): now a typed error, at once."""
+    path = str(tmp_path / "j")
+    os.mkfifo(path)
+
+    def refused(call) -> bool:
+        try:
+            call()
+        except OSError as e:
+            return path in str(e)
+        return False
+
+    assert in_child(lambda: refused(lambda: Journal(path)), 10) == 0
+    assert in_child(lambda: refused(lambda: list(read_records(path))), 10) == 0

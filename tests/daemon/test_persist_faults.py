@@ -20,6 +20,7 @@ from kvd.core.tenants import Tenants
 from kvd.errors import ConfigError
 from kvd.journal import Commit, Header, read_records, replay
 from kvd.persist import Persistence
+from tests.waiting import in_child
 
 BLOCK = 4096
 H = Header(16 * BLOCK, 4 * BLOCK, BLOCK)
@@ -111,6 +112,18 @@ def test_an_unreadable_journal_starts_an_empty_pool(tmp_path):
     assert p.recovery.discarded.startswith("journal unreadable")
     assert p.journal is None and ix.ready_blocks == 0
     p.close()
+
+
+def test_a_fifo_for_a_journal_starts_an_empty_pool_without_persistence(tmp_path):
+    path = tmp_path / "pool.journal"
+    os.mkfifo(path)  # the start waited in open() for a writer, for good
+
+    def started() -> bool:
+        ix, _, _, p = setup(str(path))
+        return (p.recovery.discarded.startswith("journal unreadable")
+                and p.journal is None and ix.ready_blocks == 0)
+
+    assert in_child(started, 10) == 0
 
 
 def test_one_daemon_per_journal(tmp_path):

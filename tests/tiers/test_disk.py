@@ -28,6 +28,7 @@ from kvd.tiers import disk as disk_module
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, TierBlock, make_tier
 from kvd.tiers.disk import FAULT_COOLDOWN_S, DiskTier, extent_for
 from kvd.tiers.disk_files import DATA_FILE, JOURNAL_FILE
+from tests.waiting import in_child
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT = 1 << 20
@@ -508,6 +509,20 @@ def test_config_errors(tmp_path):
     t.close()
     with pytest.raises(KvdError):  # a closed tier: TierError
         t.put(NS, blocks([b"a"]))
+
+
+def test_a_fifo_for_a_journal_refuses_the_start_at_once(tmp_path):
+    """It held the start in open() with no word (systemd's start timeout said the rest)."""
+    os.mkfifo(tmp_path / JOURNAL_FILE)
+
+    def refused() -> bool:
+        try:
+            DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+        except ConfigError as e:
+            return f"cannot open {tmp_path / JOURNAL_FILE}: not a regular file" in str(e)
+        return False
+
+    assert in_child(refused, 10) == 0
 
 
 # ------------------------------------------------------------------ corruption, size
