@@ -39,7 +39,7 @@ from kvd.core.eviction import SCAN
 from kvd.core.policies.base import DEFAULT_POLICY, make_policy
 from kvd.errors import BreakerOpen, ConfigError, TierError
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, Tier, TierBlock
-from kvd.tiers.disk_files import open_files, reserve, sync_dir, undo_open
+from kvd.tiers.disk_files import open_files, reopen_data, reserve, sync_dir, undo_open
 from kvd.tiers.disk_journal import DiskDrop, DiskHeader, DiskPut, replay
 from kvd.tiers.vectored import PAGE, pad, vectored
 
@@ -349,6 +349,9 @@ class DiskTier(Tier):
                 if self._off():  # it would evict good blocks for writes that fail
                     raise BreakerOpen(f"disk tier {self.path}: off after a fault "
                                       f"({self.last_error})")
+            if os.fstat(self._fd).st_nlink == 0:
+                self._renew()
+            with self._lock:
                 todo: dict[bytes, TierBlock] = {}
                 for b in blocks:
                     if (k := _scoped(ns, b.key)) not in self._entries:
@@ -367,6 +370,30 @@ class DiskTier(Tier):
                 except ValueError:  # too large, or a key that does not fit a header
                     declined += 1
             return len(blocks) - len(todo) + self._store(ns, staged, declined)
+
+    def _renew(self) -> None:
+        """The slot file was removed (an operator, a clean-up job): its blocks live on
+        only in an inode no restart finds, and its lock no longer keeps a second daemon
+        out of the directory. A new empty file takes its place (at the same descriptor:
+        a read in flight gets the old bytes or a header mismatch), the blocks are
+        dropped and the journal starts again. Under ``_put_lock``."""
+        try:
+            fd = reopen_data(self.path, self.size)
+        except OSError as e:
+            self._fault(OSError(e.errno, f"its slot file was removed, and a new one "
+                                         f"cannot be made: {e.strerror}"))
+            raise
+        with self._lock:
+            keys = list(self._entries)
+            for k in keys:  # once, on this fault: a per-block loop is fine here
+                self.policy.remove(k)
+            self._drop(keys)
+            os.dup2(fd, self._fd, inheritable=False)
+            os.close(fd)
+            self.last_error = "its slot file was removed"
+        log.error("disk tier %s: its slot file was removed; a new one is in use, and the "
+                  "%d blocks of the old one are dropped", self.path, len(keys))
+        self._compact()
 
     def _store(self, ns: bytes, staged: dict[int, list[_Staged]], declined: int) -> int:
         placed: list[_Staged] = []
@@ -552,6 +579,9 @@ class DiskTier(Tier):
                 done.set()
                 return
             try:
+                if os.fstat(self._fd).st_nlink == 0:  # the path may be another daemon's
+                    raise OSError(errno.ENOENT, "its slot file was removed; its journal "
+                                                "is left as it is")
                 if self.sync:
                     os.fdatasync(self._fd)
                     self.journal.sync()

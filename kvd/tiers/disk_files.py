@@ -46,6 +46,29 @@ def open_files(path: str, size: int) -> Opened:
     return Opened(fd, journal, reused, existed)
 
 
+def reopen_data(path: str, size: int) -> int:
+    """A new slot file in place of one removed while open, locked and reserved as at a
+    start; an ``OSError`` when another process holds the path now (or the disk is full)."""
+    os.makedirs(path, exist_ok=True)  # the whole directory may have gone
+    fd = os.open(os.path.join(path, DATA_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EWOULDBLOCK, "another process holds the new one") from None
+        os.ftruncate(fd, 0)  # nobody's: a file left by a daemon that then stopped
+        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def reserve(fd: int, size: int, path: str) -> None:
     """Allocate the whole file now: a disk without room for it refuses the start, not a
     write hours later. Filesystems without fallocate keep it sparse."""

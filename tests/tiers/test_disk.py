@@ -525,6 +525,44 @@ def test_a_fifo_for_a_journal_refuses_the_start_at_once(tmp_path):
     assert in_child(refused, 10) == 0
 
 
+def test_a_slot_file_removed_while_open_is_made_again_and_its_blocks_dropped(tmp_path,
+                                                                             caplog):
+    """Demotions went on into the removed inode with no word: a restart found none of
+    them, and a second daemon could take the directory (the lock was on that inode)."""
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    t.put(NS, blocks(ks("a", 8)))
+    (tmp_path / DATA_FILE).unlink()
+    with caplog.at_level(logging.ERROR, logger="kvd.tiers.disk"):
+        assert t.put(NS, blocks(ks("b", 8))) == 8
+    assert "slot file was removed" in caplog.text
+    assert t.contains(NS, ks("a", 1)) == 0  # no restart would find them
+    assert_hits(t, ks("b", 8))
+    with pytest.raises(ConfigError, match="in use"):  # locked again
+        DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    t.close()
+    again = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    assert again.restored_blocks == 8
+    assert_hits(again, ks("b", 8))
+    again.close()
+
+
+def test_a_slot_file_removed_and_taken_by_another_daemon_is_left_to_it(tmp_path):
+    t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    t.put(NS, blocks(ks("a", 8)))
+    (tmp_path / DATA_FILE).unlink()
+    other = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    other.put(NS, blocks(ks("o", 8)))
+    with pytest.raises(KvdError, match="another process holds"):
+        t.put(NS, blocks(ks("b", 8)))
+    assert t.status()["state"] == "open"  # off: no evictions for writes that would fail
+    other.close()
+    t.close()  # and its journal is not written over the other's
+    again = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
+    assert again.restored_blocks == 8
+    assert_hits(again, ks("o", 8))
+    again.close()
+
+
 # ------------------------------------------------------------------ corruption, size
 def test_a_flipped_byte_is_a_miss_forgotten_and_counted(tmp_path):
     t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
