@@ -215,6 +215,7 @@ def test_malformed_messages_get_typed_errors(daemon):
         (b"\xff\x00garbage",),
         (m.encode(m.Lookup(3, [b"k"]))[:-3],),  # truncated
         (b"a", b"b"),  # two frames
+        (b"a", b"b", b"c"),  # three: read whole, the next message stays its own
         (m.encode(m.Lookup(4, [b"k"])),),  # before Hello
     ]
     for frames in cases:
