@@ -15,6 +15,8 @@ import io
 import itertools
 import json
 import math
+import os
+import stat
 import sys
 import time
 import zlib
@@ -34,6 +36,7 @@ from kvd.core.tenants import Tenants
 SLOT_BYTES = 4096  # the simulator moves no bytes; one minimal slot per block
 EXTENT_SLOTS = 256  # at most, per extent: many, as in the daemon (64 MiB extents)
 BELADY = "belady"
+MAX_LINE = 64 << 20  # characters in one trace line (a request of millions of blocks)
 NEVER = 1 << 62
 
 
@@ -66,7 +69,7 @@ class Trace:
         ts = self.timestamps or list(range(len(self.requests)))
         if not ts:
             return 0
-        mid = (ts[0] + ts[-1]) / 2
+        mid = ts[0] / 2 + ts[-1] / 2  # (their sum may overflow a float)
         return next((i for i, t in enumerate(ts) if t >= mid and i > 0), len(ts))
 
 
@@ -135,6 +138,8 @@ def _first_bad_utf8_line(path: str) -> int:
     if path == "-":  # (read already)
         return 0
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's writer is gone: read once
+            return 0
         with _open_bytes(path) as raw:
             decoder = codecs.getincrementaldecoder("utf-8")()
             for n, line in enumerate(raw, 1):
@@ -156,7 +161,10 @@ def load_trace(path: str) -> Trace:
     n = 0
     try:
         with _open(path) as f:
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), ""), 1):
+                if len(line) > MAX_LINE:  # /dev/zero, or a file with no newline at all
+                    raise TraceError(f"{path}:{n}: a line of over {MAX_LINE >> 20} Mi "
+                                     "characters: not a Mooncake trace")
                 if not line.strip():
                     continue
                 try:
@@ -176,6 +184,9 @@ def load_trace(path: str) -> Trace:
                         from None
                 ids.append(hashes)
                 stamps.append(_stamp(row.get("timestamp")))
+    except MemoryError:
+        raise TraceError(f"{path}: the trace does not fit in memory ({n} lines read)") \
+            from None
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
         why = (f"not UTF-8 text (line {_first_bad_utf8_line(path) or f'near {n + 1}'})"
                if isinstance(e, UnicodeDecodeError) else

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -15,15 +16,35 @@ from kvd.sim import BELADY, SimResult, TraceError, load_trace, replay
 LONG_REFS = 200_000  # block references from which a replay earns a progress bar
 
 
+MAX_CAPACITY = 1 << 40  # blocks; more than any pool (a float of it stays exact)
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def _items(values: Sequence[str]) -> list[str]:
+    """Comma-separated or repeated values (argparse hands ``--x=--`` over as a list)."""
+    if not all(isinstance(item, str) for item in values):
+        raise ValueError("not a value")
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
 def parse_capacities(values: Sequence[str]) -> list[int]:
-    return [int(v) for item in values for v in item.split(",") if v.strip()]
+    return [int(v) for v in _items(values)]
 
 
 def parse_policies(values: Sequence[str] | None, sweep: bool = True) -> list[str]:
     """The policies asked for; by default all and Belady (a sweep) or the default."""
     if not values:
         return [*policy_names(), BELADY] if sweep else [DEFAULT_POLICY]
-    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+    return _items(values)
+
+
+def plot_refusal(path: str) -> str:
+    """Why ``path`` cannot take the plot (checked before a long replay), or ""."""
+    if os.path.isdir(path):
+        return "it is a directory"
+    if not path.lower().endswith(PLOT_FORMATS):
+        return f"name a {', '.join(PLOT_FORMATS)} file"
+    return ""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -127,16 +148,22 @@ def run(args: argparse.Namespace) -> int:
         caps = parse_capacities(args.capacity)
     except ValueError:
         print(f"kvdctl simulate: capacities must be whole numbers of blocks, "
-              f"not {', '.join(args.capacity)!r}", file=sys.stderr)
+              f"not {', '.join(map(str, args.capacity))!r}", file=sys.stderr)
         return 2
-    pols = parse_policies(args.policy, sweep=len(caps) > 1)
     known = {*policy_names(), BELADY}
+    try:
+        pols = parse_policies(args.policy, sweep=len(caps) > 1)
+    except ValueError:
+        pols = [repr(args.policy)]
     unknown = [p for p in pols if p not in known]
-    if unknown or not pols or not caps or min(caps) < 1:
+    if unknown or not pols or not caps or not 1 <= min(caps) <= max(caps) <= MAX_CAPACITY:
         what = (f"unknown policy {unknown[0]!r}" if unknown else "no policy given"
-                if not pols else "capacities must be >= 1")
+                if not pols else f"capacities must be 1 to {MAX_CAPACITY} blocks")
         print(f"kvdctl simulate: {what}; policies: {', '.join(sorted(known))}",
               file=sys.stderr)
+        return 2
+    if args.plot and (why := plot_refusal(args.plot)):
+        print(f"kvdctl simulate: cannot write the plot {args.plot}: {why}", file=sys.stderr)
         return 2
     try:
         trace = load_trace(args.trace)
@@ -145,9 +172,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     start = trace.split() if args.second_half else 0
     if not any(map(len, trace.requests[start:])):  # 0 of 0 is not a hit fraction of 0
-        print(f"kvdctl simulate: {args.trace}: the second half of the trace (from request "
-              f"{start + 1} of {len(trace.requests)}) has no block references to count",
-              file=sys.stderr)
+        where = (f"from request {start + 1} of {len(trace.requests)}"
+                 if start < len(trace.requests) else f"none of its {len(trace.requests)} "
+                 "requests: it has no second half")
+        print(f"kvdctl simulate: {args.trace}: the second half of the trace ({where}) "
+              "has no block references to count", file=sys.stderr)
         return 2
     bar = None
     if sys.stderr.isatty() and trace.block_refs * len(pols) * len(caps) >= LONG_REFS:
@@ -168,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             plot(results, args.plot, title=args.trace.rsplit("/", 1)[-1])
-        except (OSError, ImportError) as e:
+        except (OSError, ImportError, ValueError) as e:
             print(f"kvdctl simulate: cannot write the plot {args.plot}: {e}", file=sys.stderr)
             return 2
     return 0

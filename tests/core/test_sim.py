@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from kvd.cli import simulate
 from kvd.core.policies import DEFAULT_POLICY, policy_names
 from kvd.sim import BELADY, TraceError, load_trace, make_trace, replay
+from tests.waiting import in_child
 
 # Capacity 4. r2 hits [1,2]; r3 fills the cache; r4 must evict two blocks; r5 asks
 # for [1,2] again. LRU evicts 1 and 2 (least recent); ARC, S3-FIFO and chain keep
@@ -357,3 +359,61 @@ def test_integer_timestamps_past_float_precision_keep_their_order(tmp_path: Path
     path.write_text("".join(json.dumps({"timestamp": base + d, "hash_ids": [h]}) + "\n"
                             for d, h in ((3, 1), (1, 2), (5, 3))))
     assert load_trace(str(path)).hash_ids == [[2], [1], [3]]
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--capacity", str(10**309)], "capacities must be 1 to"),  # a float overflow in chain
+    (["--capacity=--"], "capacities must be whole numbers"),  # argparse hands over a list
+    (["--capacity", "4", "--policy=--"], "unknown policy"),
+    (["--capacity", "4,5", "--plot", "plot.txt"], "name a .png, .svg, .pdf file"),
+    (["--capacity", "4,5", "--plot", "."], "it is a directory"),
+])
+def test_bad_arguments_are_refused_without_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], why: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, TINY)
+    assert _run(["simulate", path, *argv]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and why in out.err  # (refused before the replay, not after it)
+
+
+def test_a_line_without_end_is_refused_at_a_bound_not_read_into_memory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/zero grew to 7.7 GB and ended in a MemoryError traceback."""
+    monkeypatch.setattr("kvd.sim.MAX_LINE", 1 << 20)
+    path = tmp_path / "zeros"
+    path.write_bytes(b"\0" * (3 << 20))
+    assert _run(["simulate", str(path), "--capacity", "4", "--json"]) == 2
+    assert ":1: a line of over 1 Mi characters" in capsys.readouterr().err
+
+
+def test_a_non_utf8_trace_from_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """The error path opened the trace again to find the bad line: a FIFO whose writer
+    had gone held kvdctl for good."""
+    fifo = tmp_path / "trace"
+    os.mkfifo(fifo)
+
+    def refused() -> bool:
+        writer = os.fork()
+        if writer == 0:
+            with open(fifo, "wb") as f:  # past the pipe's buffer: closed before the
+                f.write(b'{"hash_ids": [1]}\n' * 20_000 + b'\xff\xfe\n')  # reader fails
+            os._exit(0)
+        try:
+            load_trace(str(fifo))
+        except TraceError as e:
+            return "not UTF-8 text" in str(e)
+        finally:
+            os.waitpid(writer, 0)
+        return False
+
+    assert in_child(refused, 10) == 0
+
+
+def test_timestamps_near_the_float_limit_still_split_in_half() -> None:
+    """Their sum overflowed to inf: no request was in the "second half"."""
+    for scale in (1.0, 1e308):
+        t = make_trace([[1], [2], [3]], [1.0 * scale, 1.5 * scale, 1.7 * scale])
+        assert t.split() == 1
