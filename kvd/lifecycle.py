@@ -39,6 +39,9 @@ from kvd_proto import messages as m
 
 log = logging.getLogger("kvd.lifecycle")
 STATUS_PERIOD_S = 5.0
+# What a stop takes after its drain, at most: the copy engines' closes (5 s each), the
+# socket's linger (1 s), the tiers' close (10 s), the log's (2 s); and some slack.
+CLOSE_S = 30.0
 POOL_PREP_BYTES_PER_S = 100 * 1024**2  # a pessimistic prefault rate for the timeout cap
 # What SIGHUP may change without a restart: values the service reads from ``config``
 # per request (access rules included: ``Service.access`` is rebuilt when the config
@@ -270,7 +273,8 @@ class Lifecycle:
             self._hurry = True
             return
         self.phase = "stopping"
-        self.notifier.stopping(self.status_line())
+        self.notifier.stopping(self.status_line(),
+                               within=server.config.stop_timeout_ms / 1000 + CLOSE_S)
         log.info("stopping: refusing new work, finishing %d in-flight transfers",
                  server.inflight)
         server.begin_stop()

@@ -109,8 +109,13 @@ class Notifier:
     def watchdog(self) -> bool:
         return self.send(WATCHDOG=1)
 
-    def stopping(self, status: str = "stopping") -> bool:
+    def stopping(self, status: str = "stopping", within: float = 0.0) -> bool:
+        """STOPPING=1; with ``within``, the seconds the stop may take from now
+        (``EXTEND_TIMEOUT_USEC`` extends ``TimeoutStopSec`` too, where it is shorter)."""
         self._last_status = status
+        if within > 0:
+            return self.send(STOPPING=1, STATUS=status,
+                             EXTEND_TIMEOUT_USEC=int(within * 1e6))
         return self.send(STOPPING=1, STATUS=status)
 
     def reloading(self) -> bool:

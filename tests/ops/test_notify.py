@@ -14,6 +14,7 @@ import uuid
 import pytest
 
 from kvd.cli.admin import AdminClient
+from kvd.lifecycle import CLOSE_S
 from kvd.notify import Notifier
 from kvd_proto import messages as m
 
@@ -133,12 +134,14 @@ def test_no_watchdog_when_it_names_another_process(daemon_factory, systemd):
 
 def test_sigterm_sends_stopping_and_exits_zero(daemon_factory, systemd):
     d = daemon_factory("--metrics-port", "0", start=False)
-    d.env = {"NOTIFY_SOCKET": systemd.address}
+    # Past the unit's TimeoutStopSec=30s: systemd would kill the drain part way.
+    d.env = {"NOTIFY_SOCKET": systemd.address, "KVD_STOP_TIMEOUT_MS": "45000"}
     d.start()
     systemd.wait_for("READY", "1")
     d.proc.send_signal(signal.SIGTERM)
     stopping = systemd.wait_for("STOPPING", "1")
     assert stopping["STATUS"].startswith("stopping")
+    assert int(stopping["EXTEND_TIMEOUT_USEC"]) >= (45 + CLOSE_S) * 1e6
     assert d.stop() == 0
     assert not os.path.exists(d.socket)
     assert "kvd stopped" in d.logs()
