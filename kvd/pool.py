@@ -142,6 +142,14 @@ class Pool:
             return "lost part of its memory (a hole punched in it, or cut and grown again)"
         return ""
 
+    def removed(self) -> bool:
+        """Whether the file was unlinked (a clean-up of /dev/shm): its memory serves on,
+        but no restart finds it."""
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return False
+
     def reserve_again(self) -> str:
         """After ``damage``: the file back to its size, its pages allocated again (their
         bytes zero); why it could not be ('' when it was)."""

@@ -97,6 +97,7 @@ class Service:
         self.origins: dict[str, str] = {}  # config key -> where its value came from
         self.stopping = False  # set on SIGTERM: new work is refused with BUSY
         self.pool_fault = ""  # why the pool file is not whole ('' when it is)
+        self._pool_removed = False  # said once: an unlinked pool file is not found again
 
     # ------------------------------------------------------------ dispatch
     def handle(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
@@ -489,6 +490,15 @@ class Service:
         lost their bytes, so none is served again (their loads would copy zeros, or fail
         as the client's bad address). Every block goes, stores in flight too; the file is
         made whole again."""
+        if not self._pool_removed and self.pool.removed():
+            self._pool_removed = True
+            if self.persist is not None:
+                log.error("pool file %s was removed: its blocks are still served, but the "
+                          "next start will not find them (persistence is lost)",
+                          self.pool.path)
+            else:
+                log.warning("pool file %s was removed: kvd serves on from its memory, "
+                            "which is freed when kvd stops", self.pool.path)
         why = self.pool.damage()
         if not why:
             if self.pool_fault:  # (whole again by some other hand)

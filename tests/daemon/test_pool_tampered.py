@@ -111,3 +111,30 @@ def test_while_the_pool_cannot_be_made_whole_stores_are_refused_and_said_once(
     finally:
         a.close()
         sched.close()
+
+
+@pytest.mark.parametrize("persist", [False, True], ids=["", "persist"])
+def test_a_pool_file_removed_is_said_once_and_its_blocks_still_served(daemon_factory,
+                                                                      persist):
+    """Removed (a clean-up of /dev/shm), the file's memory serves on, unlike a cut
+    one; with persistence, the next start would find nothing, which nobody was told."""
+    d = daemon_factory(*(["--persist"] if persist else []))
+    spec = Spec(d.socket)
+    sched = scheduler(d, spec)
+    a, b = Worker(spec), Worker(Spec(d.socket, seed=None))
+    try:
+        ks = keys(8)
+        assert a.store(1, range(8), allocate(sched, ks))[1] == 0
+        os.unlink(d.pool_path)
+        said = "next start will not find them" if persist else "serves on from its memory"
+        assert wait_for(lambda: said in d.logs(), 5)
+        time.sleep(0.6)  # more ticks: once
+        assert d.logs().count("was removed") == 1
+        hit = lookup(sched, ks)
+        assert hit.hits == 8
+        assert b.load(2, range(8), unpack_u32(hit.slots))[1] == 0
+        assert b.digest(range(8)) == a.digest(range(8))
+    finally:
+        a.close()
+        b.close()
+        sched.close()
