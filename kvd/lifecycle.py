@@ -54,6 +54,7 @@ LIVE_KEYS = frozenset({
     "max_pending_blocks", "client_timeout_ms", "max_tenants", "store_claim_ms",
 })
 ReloadFn = Callable[[], "tuple[Config, dict[str, str]]"]
+Answer = Callable[[bool, str], None]  # told a reload's outcome: (applied, what was logged)
 
 
 def config_changes(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
@@ -105,6 +106,9 @@ class Lifecycle:
         self._timers: dict[str, asyncio.TimerHandle] = {}  # chain name -> next call
         self._reading = False  # a reload's read runs on its thread
         self._read_again = False  # a SIGHUP came meanwhile
+        self._answers: list[Answer] = []  # kvdctl reloads waiting on the read under way
+        self._next_answers: list[Answer] = []  # ... on the read after it
+        self._said = (True, "")  # the last apply's outcome
 
     # ------------------------------------------------------------ start-up
     @contextlib.contextmanager
@@ -183,23 +187,31 @@ class Lifecycle:
             self.metrics.observe_transfer(name, ok, seconds)
 
     # ------------------------------------------------------------ SIGHUP
-    def reload(self) -> None:
+    def reload(self, *answers: Answer) -> None:
         """Re-read file, environment and flags; apply what can change live; log it.
 
         The reading runs on a thread of its own: a configuration file on a network
         mount that hangs must not hold the event loop (every client) with it. What
-        was read is applied on the loop; SIGHUPs while a read runs make one more."""
+        was read is applied on the loop; SIGHUPs while a read runs make one more.
+        ``answers`` (a kvdctl reload) are told the outcome of a read that starts
+        after the call: (applied, the summary logged)."""
         if self.reload_config is None:
             log.warning("SIGHUP: reload not available (no configuration source)")
+            for answer in answers:
+                answer(False, "reload not available (no configuration source)")
             return
         if self.phase != "serving":  # stopping: no RELOADING/READY after STOPPING
             log.warning("SIGHUP while %s: not reloaded", self.phase)
+            for answer in answers:
+                answer(False, f"kvd is {self.phase}: not reloaded")
             return
         if self._reading:
             log.info("SIGHUP while the configuration is being read: read again after it")
             self._read_again = True
+            self._next_answers += answers
             return
         self._reading = True
+        self._answers += answers
         self.notifier.reloading()
         try:
             threading.Thread(target=self._read, name="kvd-reload", daemon=True).start()
@@ -222,22 +234,36 @@ class Lifecycle:
 
     def _read_done(self, outcome: tuple[Config, dict[str, str]] | BaseException) -> None:
         self._reading = False
+        said: tuple[bool, str] = (False, "reload failed: internal error")
         try:
             if isinstance(outcome, KvdError):
-                log.error("reload failed, keeping the running configuration: %s", outcome)
+                said = (False, f"reload failed, keeping the running configuration: {outcome}")
+                log.error("%s", said[1])
             elif isinstance(outcome, BaseException):  # a bug in loading: keep serving
+                said = (False, "reload failed, keeping the running configuration: "
+                               f"{type(outcome).__name__}: {outcome}")
                 log.error("reload failed, keeping the running configuration",
                           exc_info=outcome)
             elif self.phase != "serving":
-                log.warning("configuration read while %s: not applied", self.phase)
+                said = (False, f"configuration read while {self.phase}: not applied")
+                log.warning("%s", said[1])
             else:
-                self.apply(*outcome)
+                said = self._applied(*outcome)
         finally:
             if self.phase == "serving":  # no READY=1 after STOPPING=1
                 self.notifier.ready(self.status_line())
+            answers, self._answers = self._answers, []
+            for answer in answers:
+                answer(*said)
         if self._read_again:
             self._read_again = False
-            self.reload()
+            more, self._next_answers = self._next_answers, []
+            self.reload(*more)
+
+    def _applied(self, new: Config, origins: dict[str, str]) -> tuple[bool, str]:
+        """``apply``, said as (applied, its log line)."""
+        self.apply(new, origins)
+        return self._said
 
     def apply(self, new: Config, origins: dict[str, str]) -> dict[str, tuple[Any, Any]]:
         """Swap in a config with the live keys of ``new`` (Config is frozen: replaced,
@@ -250,7 +276,9 @@ class Lifecycle:
             try:  # e.g. a group that does not exist would refuse every client
                 Access(effective)
             except KvdError as e:
-                log.error("reload failed, keeping the running configuration: %s", e)
+                self._said = (False, "reload failed, keeping the running configuration: "
+                                     f"{e}")
+                log.error("%s", self._said[1])
                 return {}
             self.origins.update({k: origins[k] for k in live if k in origins})
             server.apply_config(effective, self.origins)
@@ -260,7 +288,8 @@ class Lifecycle:
         parts = [f"reloaded {said}" if said else "reload: no live setting changed"]
         if restart:
             parts.append(f"restart needed for {', '.join(sorted(restart))} (not applied)")
-        log.info("; ".join(parts))
+        self._said = (True, "; ".join(parts))
+        log.info("%s", self._said[1])
         return live
 
     # ------------------------------------------------------------ stop

@@ -113,6 +113,7 @@ class Server:
         with self.lifecycle.preparing(f"restoring the index from {config.journal}"
                                       if config.persist else "indexing", config.pool_size):
             self.service = Service(config, self.pool, self.engines, self._send)
+            self.service.reloader = self.lifecycle.reload
         self.service.extra_status = self._extra_status
         if config.disk_path or config.remote:
             with self.lifecycle.preparing("opening the tiers", 0):

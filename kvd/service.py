@@ -64,6 +64,8 @@ class Service:
         self.engines = engines
         self.send = send
         self.clock = clock
+        # Set by the shell: start a reload, then call the answer with its outcome.
+        self.reloader: Callable[[Callable[[bool, str], None]], None] | None = None
         self.instance = uuid.uuid4().hex
         self.started = time.monotonic()
         self._last_tick = clock()
@@ -176,10 +178,12 @@ class Service:
                 return m.StatsOk(msg.req, msgspec.json.encode(self.status()))
             if isinstance(msg, m.Register):
                 return self._register(client, msg)
-            if isinstance(msg, (m.Evict, m.Flush, m.GetConfig)):
+            if isinstance(msg, (m.Evict, m.Flush, m.GetConfig, m.Reload)):
                 if not client.admin:
                     raise KvdError(f"uid {client.uid} may not {type(msg).__name__.lower()}: "
                                    "not in admin_uids", m.Code.FORBIDDEN)
+                if isinstance(msg, m.Reload):
+                    return self._reload(identity, msg.req)
                 return self._admin(msg)
             tenant = client.tenant
             if tenant is None:
@@ -204,6 +208,18 @@ class Service:
     def error(self, req: int, code: m.Code, message: str) -> m.Error:
         self.counters.error(code)
         return m.Error(req, code, message)
+
+    def _reload(self, identity: bytes, req: int) -> None:
+        """kvdctl reload: answered once the configuration is read and applied or refused
+        (the lifecycle's reload, as on SIGHUP)."""
+        if self.reloader is None:
+            raise RequestError("this daemon cannot reload (no configuration source)")
+
+        def answer(applied: bool, summary: str) -> None:
+            self.send(identity, m.Reloaded(req, summary) if applied
+                      else self.error(req, m.Code.BAD_REQUEST, summary))
+
+        self.reloader(answer)
 
     def _admin(self, msg: m.Evict | m.Flush | m.GetConfig) -> m.Reply:
         """Operator requests (kvdctl); they need a Hello, not a tenant."""

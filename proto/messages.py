@@ -297,6 +297,18 @@ class GetConfig(_Msg, tag="get_config"):
     req: int
 
 
+class Reload(_Msg, tag="reload"):
+    """Admin: re-read the configuration as SIGHUP does; answered with Reloaded once it is
+    applied, or an Error once it is refused (so ``systemctl reload`` can wait for it)."""
+
+    req: int
+
+
+class Reloaded(_Msg, tag="reloaded"):
+    req: int
+    summary: str  # what changed, and what needs a restart (the daemon's log line)
+
+
 class ConfigOk(_Msg, tag="config_ok"):
     req: int
     values: bytes  # JSON object: key -> effective value
@@ -330,10 +342,10 @@ class Error(_Msg, tag="error"):
 
 Request = (
     Hello | Register | Lookup | Release | Allocate | Transfer | Abort | Stats | Evict | Ping
-    | Flush | GetConfig | Bye
+    | Flush | GetConfig | Bye | Reload
 )
 Reply = (HelloOk | Registered | LookupOk | Allocated | Done | StatsOk | Ok | Error
-         | EventWaited | ConfigOk)
+         | EventWaited | ConfigOk | Reloaded)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

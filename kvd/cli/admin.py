@@ -55,7 +55,8 @@ class NotKvd(AdminError):
 
 # What each admin request is answered with (an Error aside).
 _REPLIES: dict[type, type] = {m.Hello: m.HelloOk, m.Stats: m.StatsOk,
-                              m.GetConfig: m.ConfigOk, m.Evict: m.Ok, m.Flush: m.Ok}
+                              m.GetConfig: m.ConfigOk, m.Evict: m.Ok, m.Flush: m.Ok,
+                              m.Reload: m.Reloaded}
 
 
 def check_socket(path: str) -> None:

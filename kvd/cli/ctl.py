@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "block of every tenant; blocks in use (leased, being stored or copied) stay")
     cmd("config", "the daemon's effective configuration and where each value came from "
                   "(default, file, env or flag)")
+    r = cmd("reload", "re-read the configuration as SIGHUP does, and wait until it is applied "
+                      "(exit 0) or refused (exit 1, the running one kept): for ExecReload=")
+    r.add_argument("--wait", type=_seconds, default=60.0,
+                   help="seconds to wait for the read (a file on a slow mount; default "
+                        "%(default)s)")
     h = cmd("health", "one line; exit 0 when kvd is serving, 1 when unhealthy, 3 when down")
     h.add_argument("--live", action="store_true",
                    help="liveness only: answering is enough (starting/stopping count as ok)")
@@ -177,6 +182,13 @@ def cmd_flush(args: argparse.Namespace) -> int:
     kept = st["blocks"]["ready"] + st["blocks"]["pending"]
     return _out(args, {"evicted_blocks": reply.count, "kept_blocks": kept},
                 f"flushed {reply.count} blocks; {kept} in use kept")
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    with AdminClient(args.socket_path, max(args.timeout, args.wait)) as c:
+        reply = c.request(m.Reload)  # an Error (refused) raises: exit 1, its summary
+    assert isinstance(reply, m.Reloaded)
+    return _out(args, {"summary": reply.summary}, render.printable(reply.summary))
 
 
 def _show_value(key: str, value: Any) -> str:
@@ -274,6 +286,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": cmd_status, "tenants": cmd_tenants, "clients": cmd_clients, "top": cmd_top,
     "evict": cmd_evict, "flush": cmd_flush, "config": cmd_config, "health": cmd_health,
+    "reload": cmd_reload,
 }
 
 

@@ -52,7 +52,10 @@ def test_unit_has_what_the_issue_requires():
     assert svc["WatchdogSec"] and svc["Restart"] == "on-failure"
     assert svc["RuntimeDirectory"] == "kvd" and svc["LimitMEMLOCK"] == "infinity"
     assert svc["ExecStart"].split()[1:3] == ["serve", "--config"]
-    assert "-HUP" in svc["ExecReload"]
+    # A reload that waits for the read (kill -HUP returned before it), on ExecStart's file.
+    reload = svc["ExecReload"].split()
+    assert reload[0].endswith("/kvdctl") and reload[-1] == "reload"
+    assert reload[1:3] == svc["ExecStart"].split()[2:4] == ["--config", "/etc/kvd/kvd.toml"]
     devices = " ".join(u["Service"]["DeviceAllow"])
     for dev in ("nvidiactl", "nvidia-uvm", "nvidia-frontend", "nvidia-caps"):
         assert f"char-{dev} rw" in devices

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 
+import msgspec
 import pytest
 import uvloop
 
@@ -737,3 +738,50 @@ def test_a_socket_removed_while_serving_is_bound_again(daemon):
     assert "was removed while serving: bound again" in daemon.logs()
     assert daemon.stop() == 0
     assert not os.path.exists(daemon.socket)  # the new one goes at the stop
+
+
+def test_kvdctl_reload_returns_once_the_file_is_applied_or_refused(daemon_factory, tmp_path,
+                                                                    capsys):
+    """ExecReload=/bin/kill -HUP returned at once: `systemctl reload kvd && next step`
+    ran before the file was read, and a refused file still reloaded "successfully"."""
+    f = tmp_path / "kvd.toml"
+    f.write_text("max_lease_ms = 5000\n")
+    d = daemon_factory("--config", str(f), "--metrics-port", "0")
+    f.write_text("max_lease_ms = 7000\ncopy_threads = 1\n")
+    assert ctl.main(["--socket", d.socket, "reload"]) == 0
+    said = capsys.readouterr().out
+    assert "max_lease_ms 5000 -> 7000" in said and "restart needed for copy_threads" in said
+    assert config_json(d, capsys)["max_lease_ms"]["value"] == 7000  # applied on return
+    f.write_text("max_lease_ms = -1\n")
+    assert ctl.main(["--socket", d.socket, "reload"]) == 1
+    err = capsys.readouterr().err
+    assert "reload failed, keeping the running configuration" in err and "max_lease_ms" in err
+    assert config_json(d, capsys)["max_lease_ms"]["value"] == 7000
+    assert d.stop() == 0
+
+
+def test_reload_answers_wait_for_a_read_that_starts_after_them():
+    """One asked for while a read is under way is answered by the read after it (the
+    file may have changed after the first read began), SIGHUPs and asks alike."""
+    async def scenario():
+        asked: list[int] = []
+        life = _serving_lifecycle(asked)
+        server = life.server
+        life.reload_config = lambda: asked.append(1) or (  # each read: another value
+            msgspec.structs.replace(server.config, max_lease_ms=1000 + len(asked)), {})
+        said: list[tuple[str, bool, str]] = []
+        life.reload(lambda ok, text: said.append(("first", ok, text)))
+        life.reload(lambda ok, text: said.append(("second", ok, text)))
+        while life._reading or life._read_again:
+            await asyncio.sleep(0.01)
+        life.request_stop()
+        life.reload(lambda ok, text: said.append(("stopping", ok, text)))
+        await life.drain()
+        return asked, said
+
+    asked, said = asyncio.run(scenario())
+    assert asked == [1, 1]  # two reads: the second ask waited for its own
+    assert [(w, ok) for w, ok, _ in said] == [("first", True), ("second", True),
+                                             ("stopping", False)]
+    assert "-> 1001" in said[0][2] and "1001 -> 1002" in said[1][2]  # its own read
+    assert "stopping" in said[2][2]

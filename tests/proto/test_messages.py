@@ -36,7 +36,7 @@ def test_golden_bytes_of_core_messages():
     m.Allocate(4, [b"a"], 2, 1000), m.Allocate(4, [b"a"], 2, 1000, 9, 30),
     m.Transfer(5, 1, m.Direction.STORE, pack_u32([1]), pack_u32([2]), 3),
     m.Release(6, 99), m.Abort(7, pack_u32([1])), m.Stats(8), m.Evict(9, -1), m.Ping(10),
-    m.Bye(11),
+    m.Bye(11), m.Reload(12),
 ])
 def test_requests_round_trip(msg):
     assert m.decode_request(m.encode(msg)) == msg
@@ -46,7 +46,7 @@ def test_requests_round_trip(msg):
     m.HelloOk(1, 1, 2, "inst", 3), m.Registered(2, 1, 8192, 4096),
     m.LookupOk(3, 2, pack_u32([1, 2]), 5, 1), m.Allocated(4, pack_u32([1]), [b"k"], 1),
     m.Done(5, 1, m.Code.CHECKSUM, "bad", 0, 0.5), m.StatsOk(6, b"{}"), m.Ok(7, 1),
-    m.Error(8, m.Code.NO_SPACE, "full"),
+    m.Error(8, m.Code.NO_SPACE, "full"), m.Reloaded(9, "reloaded x 1 -> 2"),
 ])
 def test_replies_round_trip(msg):
     assert m.decode_reply(m.encode(msg)) == msg
