@@ -44,6 +44,11 @@ MAX_SEGMENTS = 1 << 22
 Send = Callable[[bytes, m.Reply], None]
 
 
+def _lease_gone(lease: int) -> KvdError:
+    return KvdError(f"lease {lease} of this load is gone (lapsed, released, or of another "
+                    "kvd run): its slots may hold other blocks", m.Code.EXPIRED)
+
+
 @dataclass(eq=False)
 class Client:
     id: int
@@ -276,13 +281,14 @@ class Transfers:
                 return self.done(client, msg)
             slots = own_slots(self.index, tenant, ticketed, PENDING)
         else:
+            lease = 0 if store else msg.lease
+            if lease and not self.index.has_lease(lease):  # said before its slots' state:
+                raise _lease_gone(lease)  # they may be free or hold others by now
             slots = own_slots(self.index, tenant, msg.slots, PENDING if store else READY)
             if store:
                 self._check_gens(slots, msg.gens)
-            if msg.lease and not store and not self.index.leased(msg.lease, slots):
-                raise KvdError(f"lease {msg.lease} of this load is gone (lapsed, released, "
-                               "or of another kvd run): its slots may hold other blocks",
-                               m.Code.EXPIRED)
+            if lease and not self.index.leased(lease, slots):
+                raise _lease_gone(lease)
         if len(blocks) != len(slots):
             raise BadIds(f"{len(blocks)} block ids for {len(slots)} slots")
         if len(blocks) * len(client.bases) > MAX_SEGMENTS:

@@ -262,6 +262,9 @@ class Index:
         lease = self._leases.get(lease_id)
         return None if lease is None else lease.owner
 
+    def has_lease(self, lease_id: int) -> bool:
+        return lease_id in self._leases
+
     def leased(self, lease_id: int, slots: np.ndarray) -> bool:
         """Whether the lease is live and holds every one of ``slots``."""
         lease = self._leases.get(lease_id)

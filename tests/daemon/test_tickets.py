@@ -163,6 +163,12 @@ def test_a_load_naming_a_lease_that_is_gone_is_refused(daemon_factory):
             assert r2.digest([0, 1]) != w.digest([0, 1])  # nothing copied
             hit = lookup(sched, keys(2, "l"))  # leased again: loads again
             assert r2.load(4, [0, 1], unpack_u32(hit.slots), lease=hit.lease)[1] == 0
+            # Released, then its slots emptied: still "the lease is gone", not a slot id
+            # of the wrong state (the reason is the lease).
+            assert sched.request(m.Release(sched.next_req(), hit.lease)).count == 1
+            assert sched.request(m.Flush(sched.next_req())).count == 2
+            code, message = r2.load(5, [0, 1], unpack_u32(hit.slots), lease=hit.lease)[1:3]
+            assert code == m.Code.EXPIRED and "lease" in message, message
         finally:
             r2.close()
     finally:
