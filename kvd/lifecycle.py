@@ -24,7 +24,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -54,7 +54,9 @@ LIVE_KEYS = frozenset({
     "max_pending_blocks", "client_timeout_ms", "max_tenants", "store_claim_ms",
 })
 ReloadFn = Callable[[], "tuple[Config, dict[str, str]]"]
-Answer = Callable[[bool, str], None]  # told a reload's outcome: (applied, what was logged)
+# Told a reload's outcome: OK, or why not (BAD_REQUEST: the file; BUSY: not serving), and
+# the line logged.
+Answer = Callable[["m.Code", str], None]
 
 
 def config_changes(old: Config, new: Config) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
@@ -108,7 +110,6 @@ class Lifecycle:
         self._read_again = False  # a SIGHUP came meanwhile
         self._answers: list[Answer] = []  # kvdctl reloads waiting on the read under way
         self._next_answers: list[Answer] = []  # ... on the read after it
-        self._said = (True, "")  # the last apply's outcome
 
     # ------------------------------------------------------------ start-up
     @contextlib.contextmanager
@@ -186,27 +187,27 @@ class Lifecycle:
             name = "store" if direction == m.Direction.STORE else "load"
             self.metrics.observe_transfer(name, ok, seconds)
 
-    # ------------------------------------------------------------ SIGHUP
+    # ------------------------------------------------------------ SIGHUP, kvdctl reload
     def reload(self, *answers: Answer) -> None:
         """Re-read file, environment and flags; apply what can change live; log it.
 
         The reading runs on a thread of its own: a configuration file on a network
         mount that hangs must not hold the event loop (every client) with it. What
-        was read is applied on the loop; SIGHUPs while a read runs make one more.
-        ``answers`` (a kvdctl reload) are told the outcome of a read that starts
-        after the call: (applied, the summary logged)."""
+        was read is applied on the loop; reloads asked for while a read runs make one
+        more. ``answers`` (kvdctl reload) are each called once, with the outcome of a
+        read that starts after the call: (OK or why not, what was logged)."""
         if self.reload_config is None:
-            log.warning("SIGHUP: reload not available (no configuration source)")
-            for answer in answers:
-                answer(False, "reload not available (no configuration source)")
+            log.warning("reload not available (no configuration source)")
+            _tell(answers, m.Code.BAD_REQUEST, "reload not available (no configuration "
+                                               "source)")
             return
         if self.phase != "serving":  # stopping: no RELOADING/READY after STOPPING
-            log.warning("SIGHUP while %s: not reloaded", self.phase)
-            for answer in answers:
-                answer(False, f"kvd is {self.phase}: not reloaded")
+            log.warning("reload asked for while %s: not reloaded", self.phase)
+            _tell(answers, m.Code.BUSY, f"kvd is {self.phase}: not reloaded")
             return
         if self._reading:
-            log.info("SIGHUP while the configuration is being read: read again after it")
+            log.info("reload asked for while the configuration is being read: read again "
+                     "after it")
             self._read_again = True
             self._next_answers += answers
             return
@@ -216,7 +217,7 @@ class Lifecycle:
         try:
             threading.Thread(target=self._read, name="kvd-reload", daemon=True).start()
         except (RuntimeError, MemoryError) as e:  # no thread now (TasksMax, memory):
-            # this reload fails; the next SIGHUP tries again
+            # this reload fails; the next one tries again
             self._read_done(KvdError(f"cannot start the thread that reads it: {e}"))
 
     def _read(self) -> None:
@@ -234,40 +235,40 @@ class Lifecycle:
 
     def _read_done(self, outcome: tuple[Config, dict[str, str]] | BaseException) -> None:
         self._reading = False
-        said: tuple[bool, str] = (False, "reload failed: internal error")
+        said: tuple[m.Code, str] = (m.Code.INTERNAL, "reload failed: internal error")
         try:
-            if isinstance(outcome, KvdError):
-                said = (False, f"reload failed, keeping the running configuration: {outcome}")
-                log.error("%s", said[1])
-            elif isinstance(outcome, BaseException):  # a bug in loading: keep serving
-                said = (False, "reload failed, keeping the running configuration: "
-                               f"{type(outcome).__name__}: {outcome}")
-                log.error("reload failed, keeping the running configuration",
-                          exc_info=outcome)
-            elif self.phase != "serving":
-                said = (False, f"configuration read while {self.phase}: not applied")
-                log.warning("%s", said[1])
-            else:
-                said = self._applied(*outcome)
+            said = self._outcome(outcome)
+        except Exception:  # noqa: BLE001 - a bug in applying: keep serving, say so
+            log.exception("reload failed")
         finally:
+            answers, self._answers = self._answers, []
+            _tell(answers, *said)
             if self.phase == "serving":  # no READY=1 after STOPPING=1
                 self.notifier.ready(self.status_line())
-            answers, self._answers = self._answers, []
-            for answer in answers:
-                answer(*said)
-        if self._read_again:
-            self._read_again = False
-            more, self._next_answers = self._next_answers, []
-            self.reload(*more)
+            if self._read_again:
+                self._read_again = False
+                more, self._next_answers = self._next_answers, []
+                self.reload(*more)
 
-    def _applied(self, new: Config, origins: dict[str, str]) -> tuple[bool, str]:
-        """``apply``, said as (applied, its log line)."""
-        self.apply(new, origins)
-        return self._said
+    def _outcome(self, outcome: tuple[Config, dict[str, str]] | BaseException
+                 ) -> tuple[m.Code, str]:
+        """Apply what was read; (OK or why not, what was logged)."""
+        if isinstance(outcome, KvdError):
+            said = f"reload failed, keeping the running configuration: {outcome}"
+            log.error("%s", said)
+            return m.Code.BAD_REQUEST, said
+        if isinstance(outcome, BaseException):  # a bug in loading: keep serving
+            log.error("reload failed, keeping the running configuration", exc_info=outcome)
+            return m.Code.INTERNAL, ("reload failed, keeping the running configuration: "
+                                     f"{type(outcome).__name__}: {outcome}")
+        if self.phase != "serving":
+            log.warning("configuration read while %s: not applied", self.phase)
+            return m.Code.BUSY, f"configuration read while {self.phase}: not applied"
+        return self.apply(*outcome)
 
-    def apply(self, new: Config, origins: dict[str, str]) -> dict[str, tuple[Any, Any]]:
+    def apply(self, new: Config, origins: dict[str, str]) -> tuple[m.Code, str]:
         """Swap in a config with the live keys of ``new`` (Config is frozen: replaced,
-        never mutated); returns the live changes."""
+        never mutated); (OK or why not, the line logged)."""
         server = self.server
         live, restart = config_changes(server.config, new)
         if live:
@@ -276,10 +277,9 @@ class Lifecycle:
             try:  # e.g. a group that does not exist would refuse every client
                 Access(effective)
             except KvdError as e:
-                self._said = (False, "reload failed, keeping the running configuration: "
-                                     f"{e}")
-                log.error("%s", self._said[1])
-                return {}
+                said = f"reload failed, keeping the running configuration: {e}"
+                log.error("%s", said)
+                return m.Code.BAD_REQUEST, said
             self.origins.update({k: origins[k] for k in live if k in origins})
             server.apply_config(effective, self.origins)
             if "log_level" in live:
@@ -288,9 +288,9 @@ class Lifecycle:
         parts = [f"reloaded {said}" if said else "reload: no live setting changed"]
         if restart:
             parts.append(f"restart needed for {', '.join(sorted(restart))} (not applied)")
-        self._said = (True, "; ".join(parts))
-        log.info("%s", self._said[1])
-        return live
+        said = "; ".join(parts)
+        log.info("%s", said)
+        return m.Code.OK, said
 
     # ------------------------------------------------------------ stop
     def request_stop(self) -> None:
@@ -302,6 +302,9 @@ class Lifecycle:
             self._hurry = True
             return
         self.phase = "stopping"
+        waiting, self._answers, self._next_answers = (self._answers + self._next_answers,
+                                                      [], [])
+        _tell(waiting, m.Code.BUSY, "kvd is stopping: not reloaded")  # (a read may hang)
         self.notifier.stopping(self.status_line(),
                                within=server.config.stop_timeout_ms / 1000 + CLOSE_S)
         log.info("stopping: refusing new work, finishing %d in-flight transfers",
@@ -326,3 +329,12 @@ class Lifecycle:
         if self.metrics is not None:
             self.metrics.close()
         self.notifier.close()
+
+
+def _tell(answers: Sequence[Answer], code: m.Code, said: str) -> None:
+    """Each answer once; one that fails (a bug) does not keep the others from theirs."""
+    for answer in answers:
+        try:
+            answer(code, said)
+        except Exception:  # noqa: BLE001
+            log.exception("answering a reload failed")

@@ -65,7 +65,7 @@ class Service:
         self.send = send
         self.clock = clock
         # Set by the shell: start a reload, then call the answer with its outcome.
-        self.reloader: Callable[[Callable[[bool, str], None]], None] | None = None
+        self.reloader: Callable[[Callable[[m.Code, str], None]], None] | None = None
         self.instance = uuid.uuid4().hex
         self.started = time.monotonic()
         self._last_tick = clock()
@@ -215,9 +215,9 @@ class Service:
         if self.reloader is None:
             raise RequestError("this daemon cannot reload (no configuration source)")
 
-        def answer(applied: bool, summary: str) -> None:
-            self.send(identity, m.Reloaded(req, summary) if applied
-                      else self.error(req, m.Code.BAD_REQUEST, summary))
+        def answer(code: m.Code, summary: str) -> None:  # (not a protocol error: uncounted)
+            self.send(identity, m.Reloaded(req, summary) if code == m.Code.OK
+                      else m.Error(req, code, summary))
 
         self.reloader(answer)
 

@@ -108,6 +108,11 @@ class AdminClient:
                                     f"{m.PROTOCOL_VERSION}")
         self.daemon_pid = hello.daemon_pid
 
+    def connect(self) -> None:
+        """Say Hello now (``request`` does it on first use)."""
+        if self._sock is None:
+            self._open()
+
     def _next(self) -> int:
         self._req += 1
         return self._req

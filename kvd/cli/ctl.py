@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 from kvd.cli import render, tail
 from kvd.cli.admin import (EXIT_DOWN, EXIT_FAIL, EXIT_OK, EXIT_USAGE, AdminClient,
-                           AdminError, document, fetch_status)
+                           AdminError, Failed, Unreachable, document, fetch_status)
 from kvd.config import SIZE_KEYS, default_socket, read_toml
 from kvd.errors import ConfigError
 from kvd_proto import messages as m
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--wait", type=_seconds, default=60.0,
                    help="seconds to wait for the read (a file on a slow mount; default "
                         "%(default)s)")
+    r.add_argument("--pid", type=int,
+                   help="kvd's pid (systemd's $MAINPID): sent SIGHUP instead when kvd "
+                        "cannot be asked (no socket, no answer, or a kvd older than "
+                        "reload requests); exit 0 then, its log says the outcome")
     h = cmd("health", "one line; exit 0 when kvd is serving, 1 when unhealthy, 3 when down")
     h.add_argument("--live", action="store_true",
                    help="liveness only: answering is enough (starting/stopping count as ok)")
@@ -185,8 +190,20 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    with AdminClient(args.socket_path, max(args.timeout, args.wait)) as c:
-        reply = c.request(m.Reload)  # an Error (refused) raises: exit 1, its summary
+    try:
+        with AdminClient(args.socket_path, args.timeout) as c:
+            c.connect()  # within --timeout: a stale socket is told at once
+            c.timeout = max(args.timeout, args.wait)  # the read may take long
+            reply = c.request(m.Reload)  # refused: Failed, exit 1 with why
+    except (Unreachable, Failed) as e:
+        older = (isinstance(e, Failed) and e.code == m.Code.BAD_REQUEST
+                 and "malformed message" in str(e))  # a kvd from before reload requests
+        if args.pid is None or not (older or isinstance(e, Unreachable)):
+            raise
+        os.kill(args.pid, signal.SIGHUP)
+        print(f"kvdctl: kvd could not be asked ({e}); sent SIGHUP to pid {args.pid}: its "
+              "log says what it applied", file=sys.stderr)
+        return EXIT_OK
     assert isinstance(reply, m.Reloaded)
     return _out(args, {"summary": reply.summary}, render.printable(reply.summary))
 

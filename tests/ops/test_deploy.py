@@ -52,10 +52,11 @@ def test_unit_has_what_the_issue_requires():
     assert svc["WatchdogSec"] and svc["Restart"] == "on-failure"
     assert svc["RuntimeDirectory"] == "kvd" and svc["LimitMEMLOCK"] == "infinity"
     assert svc["ExecStart"].split()[1:3] == ["serve", "--config"]
-    # A reload that waits for the read (kill -HUP returned before it), on ExecStart's file.
+    # A reload that waits for the read (kill -HUP returned before it), asked on the socket
+    # kvd serves on (in the unit's RuntimeDirectory), SIGHUP when it cannot be asked.
     reload = svc["ExecReload"].split()
-    assert reload[0].endswith("/kvdctl") and reload[-1] == "reload"
-    assert reload[1:3] == svc["ExecStart"].split()[2:4] == ["--config", "/etc/kvd/kvd.toml"]
+    assert reload[0].endswith("/kvdctl") and reload[3:] == ["reload", "--pid", "$MAINPID"]
+    assert reload[1:3] == ["--socket", f"/run/{svc['RuntimeDirectory']}/kvd.sock"]
     devices = " ".join(u["Service"]["DeviceAllow"])
     for dev in ("nvidiactl", "nvidia-uvm", "nvidia-frontend", "nvidia-caps"):
         assert f"char-{dev} rw" in devices

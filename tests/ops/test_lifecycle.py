@@ -757,6 +757,14 @@ def test_kvdctl_reload_returns_once_the_file_is_applied_or_refused(daemon_factor
     err = capsys.readouterr().err
     assert "reload failed, keeping the running configuration" in err and "max_lease_ms" in err
     assert config_json(d, capsys)["max_lease_ms"]["value"] == 7000
+    # kvd not to be asked on that socket (another path, a kvd from before reload
+    # requests): with --pid (systemd's $MAINPID), a SIGHUP instead.
+    f.write_text("max_lease_ms = 8000\n")
+    nowhere = str(tmp_path / "nowhere.sock")
+    assert ctl.main(["--socket", nowhere, "reload"]) == 3
+    assert ctl.main(["--socket", nowhere, "reload", "--pid", str(d.pid)]) == 0
+    assert "sent SIGHUP to pid" in capsys.readouterr().err
+    assert "max_lease_ms 7000 -> 8000" in wait_log(d, "7000 -> 8000")
     assert d.stop() == 0
 
 
@@ -769,19 +777,57 @@ def test_reload_answers_wait_for_a_read_that_starts_after_them():
         server = life.server
         life.reload_config = lambda: asked.append(1) or (  # each read: another value
             msgspec.structs.replace(server.config, max_lease_ms=1000 + len(asked)), {})
-        said: list[tuple[str, bool, str]] = []
-        life.reload(lambda ok, text: said.append(("first", ok, text)))
-        life.reload(lambda ok, text: said.append(("second", ok, text)))
+        said: list[tuple[str, m.Code, str]] = []
+        life.reload(lambda code, text: said.append(("first", code, text)))
+        life.reload(lambda code, text: said.append(("second", code, text)))
         while life._reading or life._read_again:
             await asyncio.sleep(0.01)
         life.request_stop()
-        life.reload(lambda ok, text: said.append(("stopping", ok, text)))
+        life.reload(lambda code, text: said.append(("stopping", code, text)))
         await life.drain()
         return asked, said
 
     asked, said = asyncio.run(scenario())
     assert asked == [1, 1]  # two reads: the second ask waited for its own
-    assert [(w, ok) for w, ok, _ in said] == [("first", True), ("second", True),
-                                             ("stopping", False)]
+    assert [(w, code) for w, code, _ in said] == [("first", m.Code.OK), ("second", m.Code.OK),
+                                                 ("stopping", m.Code.BUSY)]
     assert "-> 1001" in said[0][2] and "1001 -> 1002" in said[1][2]  # its own read
     assert "stopping" in said[2][2]
+
+
+def test_every_reload_answer_is_given_once_whatever_happens():
+    """An apply that raised left the ask queued behind it waiting for good, and a stop
+    during a read that hangs (a network mount) left kvdctl waiting out its timeout."""
+    async def scenario():
+        life = _serving_lifecycle([])
+        said: list[tuple[str, m.Code]] = []
+        applied = life.apply
+        calls: list[int] = []
+
+        def apply_once_broken(new: Config, origins: dict[str, str]):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug in applying")
+            return applied(new, origins)
+
+        life.apply = apply_once_broken
+        life.reload(lambda code, _: said.append(("a", code)))
+        life.reload(lambda code, _: said.append(("b", code)))  # the read after a's
+        for _ in range(500):  # (a lost read-again would wait here for good)
+            if not (life._reading or life._read_again):
+                break
+            await asyncio.sleep(0.01)
+        gate = threading.Event()
+        config = life.server.config
+        life.reload_config = lambda: gate.wait(10) and (config, {})
+        life.reload(lambda code, _: said.append(("c", code)))
+        life.reload(lambda code, _: said.append(("d", code)))
+        await asyncio.sleep(0.05)
+        life.request_stop()  # the read still hangs
+        gate.set()
+        await life.drain()
+        await asyncio.sleep(0.1)  # the read ends after the stop: nobody told twice
+        return said
+
+    assert asyncio.run(scenario()) == [("a", m.Code.INTERNAL), ("b", m.Code.OK),
+                                       ("c", m.Code.BUSY), ("d", m.Code.BUSY)]

@@ -26,6 +26,9 @@ def test_golden_bytes_of_core_messages():
         "00"  # lease, appended the same way
         "c400")  # gens, appended the same way
     assert m.encode(m.Bye(0)).hex() == "92a362796500"
+    assert m.encode(m.Reload(3)).hex() == "92a672656c6f616403"  # added in protocol 1
+    assert m.encode(m.Reloaded(3, "ok")).hex() == (
+        "93a872656c6f61646564" "03" "a26f6b")
 
 
 @pytest.mark.parametrize("msg", [
