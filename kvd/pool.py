@@ -15,6 +15,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 
 import numpy as np
 
@@ -52,16 +53,42 @@ def _reserve(fd: int, path: str, size: int) -> bool:
 
 
 TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+def _on(fd: int, *magics: int) -> bool:
+    """Whether the file is in a filesystem of one of these types."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first (a long, or an
+    if _libc.fstatfs(fd, buf) != 0:  # unsigned int on s390x)
+        return False
+    kind = {ctypes.c_long.from_buffer(buf).value, ctypes.c_uint.from_buffer(buf).value}
+    return not kind.isdisjoint(magics)
 
 
 def _on_tmpfs(fd: int) -> bool:
     """Whether the file is in a tmpfs (/dev/shm), where a reserved file's block count is
     its size for as long as nobody frees its pages (a compressing filesystem's is not)."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type first (a long, or an
-    if _libc.fstatfs(fd, buf) != 0:  # unsigned int on s390x)
-        return False
-    return TMPFS_MAGIC in (ctypes.c_long.from_buffer(buf).value,
-                           ctypes.c_uint.from_buffer(buf).value)
+    return _on(fd, TMPFS_MAGIC)
+
+
+def _open(path: str) -> tuple[int, bool]:
+    """The pool file, and whether this start made it. One already there is taken only
+    when it can be a pool kvd left (a crash, a warm restart): a regular file of this
+    uid. /dev/null, a FIFO or another user's file are refused untouched (a failed start
+    removed what it could not size: it once took /dev/null with it)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), True
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    why = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+           f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else "")
+    if why:
+        os.close(fd)
+        raise ConfigError(f"pool file {path} {why}: kvd leaves it alone; give pool_path "
+                          "a path of its own")
+    return fd, False
 
 
 def _unlink(path: str) -> None:
@@ -80,7 +107,7 @@ class Pool:
         self.keep = keep
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd, created = _open(path)
         except OSError as e:
             raise ConfigError(f"cannot open pool file {path}: {e.strerror}") from None
         try:
@@ -94,7 +121,12 @@ class Pool:
         self._fd = fd
         self.reused = False
         try:
-            self.reused = keep and os.fstat(fd).st_size == size
+            found = os.fstat(fd).st_size
+            self.reused = keep and found == size
+            if found and not self.reused and not _on(fd, TMPFS_MAGIC, HUGETLBFS_MAGIC):
+                raise ConfigError(f"pool file {path} holds {found} bytes on a disk "
+                                  "filesystem that no kvd pool of this size left: kvd will "
+                                  "not empty it; remove it, or give pool_path another path")
             if not self.reused:
                 os.ftruncate(fd, 0)  # stale bytes of another geometry never survive
             os.ftruncate(fd, size)
@@ -102,7 +134,7 @@ class Pool:
             self._counted = self.reserved and _on_tmpfs(fd)  # (see ``damage``)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ConfigError) as e:
-            if not self.reused:  # ours, and empty: nothing of a kept pool is lost
+            if created:  # made by this start, and empty: nothing of anyone's is lost
                 _unlink(path)
             os.close(fd)
             if isinstance(e, ConfigError):
@@ -112,7 +144,7 @@ class Pool:
                 "(is /dev/shm large enough?)"
             ) from None
         except BaseException:  # e.g. a stop during start-up: ours and empty, so gone
-            if not self.reused:
+            if created:
                 _unlink(path)
             os.close(fd)
             raise

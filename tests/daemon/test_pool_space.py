@@ -75,3 +75,50 @@ def test_a_pool_size_of_no_whole_extents_reserves_only_whole_ones(daemon_factory
     assert os.path.getsize(d.pool_path) == 2 << 20
     assert d.status()["pool"]["capacity_bytes"] == 2 << 20
     assert "pool_size 3145728 is not a multiple of extent_size 2097152" in d.logs()
+
+
+def _on_tmpfs(path) -> bool:
+    return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True,
+                          text=True, check=False).stdout.strip() == "tmpfs"
+
+
+def test_a_pool_path_that_is_no_pool_of_kvd_is_refused_untouched(tmp_path):
+    """A start that could not size what pool_path named removed it: /dev/null was deleted
+    by one; and a file on disk there (a config file, say) was emptied at start."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="is not a regular file: kvd leaves it alone"):
+        Pool(str(fifo), 8 << 20)
+    assert fifo.is_fifo()
+    if _on_tmpfs(tmp_path):
+        pytest.skip("the temporary directory is a tmpfs: no disk file to check with")
+    precious = tmp_path / "kvd.toml"
+    precious.write_text("pool_size = \"8M\"\n")
+    with pytest.raises(ConfigError, match="will not empty it"):
+        Pool(str(precious), 8 << 20)
+    assert precious.read_text() == "pool_size = \"8M\"\n"
+
+
+def test_a_pool_file_of_another_user_is_refused_untouched(small_tmpfs):
+    path = small_tmpfs / "kvd.pool"
+    path.write_bytes(b"theirs")
+    os.chown(path, 65534, 65534)  # (small_tmpfs needs root already)
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        Pool(str(path), 8 << 20)
+    assert path.read_bytes() == b"theirs"
+
+
+def test_a_stale_pool_of_this_user_in_a_tmpfs_is_taken_and_a_failed_start_keeps_it(
+        small_tmpfs):
+    """A pool a killed kvd left (no persistence) is emptied and used, as before; a start
+    that fails on it leaves the file (emptied), where it removed it before."""
+    path = small_tmpfs / "kvd.pool"
+    path.write_bytes(b"\1" * (1 << 20))
+    pool = Pool(str(path), 4 << 20)
+    assert int(pool.array.sum()) == 0  # stale bytes never survive
+    pool.close()  # and a pool it took is removed at its stop, as one it made
+    assert not path.exists()
+    path.write_bytes(b"\1" * (1 << 20))
+    with pytest.raises(ConfigError, match="No space left"):
+        Pool(str(path), 64 << 20)
+    assert path.exists()
