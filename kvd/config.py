@@ -11,6 +11,7 @@ import ipaddress
 import os
 import re
 import stat
+import string
 import tomllib
 from collections.abc import Mapping
 from fractions import Fraction
@@ -117,15 +118,18 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError(f"metrics_port {self.metrics_port} not in 0..65535")
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("events_replay_endpoint needs events_endpoint")
+        if self.socket.startswith("@") or not self.socket.strip():
+            raise ValueError(f"socket {self.socket!r}: expected a file path (an abstract "
+                             "socket has no file to guard with permissions)")
+        if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket {self.socket!r}: longer than a unix socket's path "
+                             f"can be ({MAX_SOCKET_PATH} bytes)")
         for key in ("events_endpoint", "events_replay_endpoint"):
-            value = getattr(self, key)
-            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ValueError(f"{key} {value!r}: expected tcp://HOST:PORT or ipc://PATH")
-        try:
-            self.events_topic.format(node="n", model="m", tenant=0)
-        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+            if why := _endpoint_problem(getattr(self, key)):
+                raise ValueError(f"{key} {getattr(self, key)!r}: {why}")
+        if why := _topic_problem(self.events_topic):
             raise ValueError(f"events_topic {self.events_topic!r}: use only {{node}}, "
-                             f"{{model}} and {{tenant}} ({e})") from None
+                             f"{{model}} and {{tenant}}, without formats ({why})")
         if not 1 <= self.max_tenants <= 1 << 20:
             raise ValueError(f"max_tenants {self.max_tenants} not in 1..{1 << 20}")
         if not 1 <= self.events_hwm <= INT_MAX:  # ZeroMQ takes it as a C int
@@ -153,8 +157,18 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError("stop_timeout_ms must be 0 (no wait) or more")
         if self.remote_ttl_s < 0:
             raise ValueError("remote_ttl_s must be 0 (no TTL) or more")
+        for key in [k for k in self.__struct_fields__ if k.endswith("_ms")] + ["remote_ttl_s"]:
+            if getattr(self, key) > MAX_MS // (1000 if key.endswith("_s") else 1):
+                raise ValueError(f"{key} {getattr(self, key)} is more than 30 days (a time "
+                                 "this long overflows the clocks it is added to)")
         files = {"pool_path": self.pool_path, "journal_path": self.journal,
                  "socket": self.socket}
+        for key in ("events_endpoint", "events_replay_endpoint"):
+            if (endpoint := getattr(self, key)).startswith("ipc://"):
+                files[key] = path = endpoint[len("ipc://"):]
+                if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+                    raise ValueError(f"{key} {endpoint!r}: {path} is a file that is not a "
+                                     "socket (binding there would replace it)")
         if self.disk_path:  # (the disk tier's own two files)
             files |= {f"disk_path's {name}": os.path.join(self.disk_path, name)
                       for name in (DATA_FILE, JOURNAL_FILE)}
@@ -184,6 +198,43 @@ MAX_SIZE = 1 << 60  # bytes: sizes beyond this are typos (the kernel refuses the
 MIN_MESSAGE_BYTES = 4096  # below this, a Register of an ordinary engine cannot get through
 MAX_MESSAGE_BYTES = 1 << 30  # the daemon's socket takes twice this (MAXMSGSIZE, an int64)
 INT_MAX = (1 << 31) - 1
+MAX_MS = 30 * 86_400_000  # any time key: longer ones are typos (and overflow clocks)
+MAX_SOCKET_PATH = 107  # bytes of sun_path, less its NUL
+
+
+def _endpoint_problem(value: str) -> str:
+    """Why ``value`` is no endpoint ZeroMQ binds as meant ('' when it is, or is empty):
+    a port past 65535 wrapped around to another port."""
+    if not value:
+        return ""
+    scheme, _, rest = value.partition("://")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host:
+            return "expected tcp://HOST:PORT"
+        if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+            return f"port {port!r} is not 0..65535 or *"
+        return ""
+    if scheme in ("ipc", "inproc"):
+        return "" if rest else f"expected {scheme}://NAME"
+    return "expected tcp://HOST:PORT or ipc://PATH"
+
+
+def _topic_problem(topic: str) -> str:
+    """Why ``topic`` is no topic template ('' when it is): a field of another name, an
+    attribute or index of one, or a format (``{tenant:>999999999}`` took a GiB per use)."""
+    try:
+        for _, field, spec, conversion in string.Formatter().parse(topic):
+            if field is None:
+                continue
+            if field not in ("node", "model", "tenant"):
+                return f"{{{field}}}"
+            if spec or conversion:
+                return f"{{{field}{'!' + conversion if conversion else ''}" \
+                       f"{':' + spec if spec else ''}}}"
+    except ValueError as e:  # an unmatched brace
+        return str(e)
+    return ""
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?$")
 
 

@@ -21,8 +21,11 @@ Runs on the event loop (the server services the replay socket from ``loop.add_re
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -239,6 +242,12 @@ class Publisher:
         self.pub.close(linger=linger_ms)
         if self.replay is not None:
             self.replay.close(linger=0)
+        for endpoint in (self.endpoint, self.replay_endpoint):  # as the daemon's socket
+            if endpoint and endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+                path = endpoint[len("ipc://"):]
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(os.lstat(path).st_mode):
+                        os.unlink(path)
 
 
 class KvEvents:

@@ -53,6 +53,21 @@ def test_bad_values_are_rejected_naming_the_key(env, key):
     ({"KVD_ALLOWED_UIDS": "1000,-1"}, "allowed_uids: -1 is not a uid"),  # matched nobody
     ({"KVD_ADMIN_UIDS": str(1 << 40)}, "admin_uids: .* is not a uid"),
     ({"KVD_EVENTS_TOPIC": "{tenant[0]}"}, "events_topic .* use only"),
+    # A format width took a GiB per topic (validation too); a time past clocks' range was
+    # a traceback in a tier thread; a port past 65535 wrapped to another port; an
+    # abstract or over-long socket was a traceback, or refused after the pool was made.
+    ({"KVD_EVENTS_TOPIC": "kv@{tenant:>999999999}"}, "events_topic .* without formats"),
+    ({"KVD_EVENTS_TOPIC": "kv@{model!r}"}, "events_topic .* without formats"),
+    ({"KVD_REMOTE_TIMEOUT_MS": str(1 << 63)}, "remote_timeout_ms .* more than 30 days"),
+    ({"KVD_MAX_LEASE_MS": str(31 * 86_400_000)}, "max_lease_ms .* more than 30 days"),
+    ({"KVD_REMOTE_TTL_S": str(1 << 40)}, "remote_ttl_s .* more than 30 days"),
+    ({"KVD_EVENTS_ENDPOINT": "tcp://127.0.0.1:99999"}, "events_endpoint .* not 0..65535"),
+    ({"KVD_EVENTS_ENDPOINT": "tcp://*:5557", "KVD_EVENTS_REPLAY_ENDPOINT": "tcp://*:"},
+     "events_replay_endpoint .* not 0..65535"),
+    ({"KVD_EVENTS_ENDPOINT": "ipc://"}, "events_endpoint .* expected ipc://NAME"),
+    ({"KVD_SOCKET": "@kvd"}, "socket '@kvd': expected a file path"),
+    ({"KVD_SOCKET": ""}, "socket '': expected a file path"),
+    ({"KVD_SOCKET": "/tmp/" + "s" * 120}, "socket .* longer than a unix socket's path"),
 ])
 def test_values_that_cannot_work_are_refused_at_load_naming_where_they_came_from(env, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -96,6 +111,24 @@ def test_cross_field_validation():
 def test_one_file_named_for_two_things_is_refused(flags, match):
     with pytest.raises(ConfigError, match=match):
         load(None, {}, flags)
+
+
+def test_an_ipc_events_endpoint_on_another_file_is_refused(tmp_path):
+    """Binding there replaced the file (a pool file, a journal, anyone's file) with a
+    socket: the pool was gone at start, said only as 'was removed'."""
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep")
+    with pytest.raises(ConfigError, match="is a file that is not a socket"):
+        load(None, {}, {"events_endpoint": f"ipc://{precious}"})
+    with pytest.raises(ConfigError, match="events_endpoint and pool_path are the same"):
+        load(None, {}, {"pool_path": str(tmp_path / "p"),
+                        "events_endpoint": f"ipc://{tmp_path / 'p'}"})
+    with pytest.raises(ConfigError, match="are the same file"):
+        load(None, {}, {"events_endpoint": f"ipc://{tmp_path / 'e'}",
+                        "events_replay_endpoint": f"ipc://{tmp_path / 'e'}"})
+    assert precious.read_text() == "keep"
+    load(None, {}, {"events_endpoint": f"ipc://{tmp_path / 'e'}",  # a path of its own
+                    "events_replay_endpoint": "tcp://127.0.0.1:*"})
 
 
 def test_a_pool_holds_whole_extents():

@@ -869,3 +869,21 @@ def test_replays_are_sent_a_bounded_number_of_batches_per_loop_pass():
         for s in peers:
             s.close(linger=0)
         pub.close()
+
+
+def test_ipc_endpoints_are_removed_at_the_stop(daemon_factory, tmp_path):
+    """Their socket files stayed after every stop (and a failed start), as litter."""
+    pub, rep = tmp_path / "ev.sock", tmp_path / "rep.sock"
+    d = daemon_factory("--events-endpoint", f"ipc://{pub}",
+                       "--events-replay-endpoint", f"ipc://{rep}")
+    assert pub.is_socket() and rep.is_socket()
+    sub = Sub(f"ipc://{pub}")  # and it serves there
+    eng = Engine(d.socket)
+    try:
+        eng.store([key(1)])
+        assert sub.recv()[0].startswith(b"kv@")
+    finally:
+        eng.close()
+        sub.close()
+    assert d.stop() == 0
+    assert not pub.exists() and not rep.exists()
