@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -380,9 +381,17 @@ class DiskTier(Tier):
         try:
             fd = reopen_data(self.path, self.size)
         except OSError as e:
-            self._fault(OSError(e.errno, f"its slot file was removed, and a new one "
-                                         f"cannot be made: {e.strerror}"))
-            raise
+            error = OSError(e.errno, "its slot file was removed, and a new one cannot be "
+                                     f"made: {e.strerror}")
+            if e.errno != errno.EEXIST:
+                self._fault(error)  # (a full disk: tried again after the cooldown)
+                raise error from None
+            with self._lock:  # another daemon's files now: off until a restart
+                self._off_until = math.inf
+                self.last_error = str(error)
+            log.error("disk tier %s: %s; the tier is off until kvd restarts", self.path,
+                      error)
+            raise error from None
         with self._lock:
             keys = list(self._entries)
             for k in keys:  # once, on this fault: a per-block loop is fine here

@@ -48,15 +48,21 @@ def open_files(path: str, size: int) -> Opened:
 
 def reopen_data(path: str, size: int) -> int:
     """A new slot file in place of one removed while open, locked and reserved as at a
-    start; an ``OSError`` when another process holds the path now (or the disk is full)."""
+    start. Only where no file is: one there now is another daemon's (running, or
+    stopped), and is left alone. ``OSError`` (EEXIST then; ENOSPC...) when not made."""
     os.makedirs(path, exist_ok=True)  # the whole directory may have gone
-    fd = os.open(os.path.join(path, DATA_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    data = os.path.join(path, DATA_FILE)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OSError(errno.EWOULDBLOCK, "another process holds the new one") from None
-        os.ftruncate(fd, 0)  # nobody's: a file left by a daemon that then stopped
+        fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise OSError(errno.EEXIST, "another file has taken its path (another daemon's?)",
+                      data) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # (taken between the two calls: not ours to remove)
+        os.close(fd)
+        raise
+    try:
         os.ftruncate(fd, size)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -65,6 +71,7 @@ def reopen_data(path: str, size: int) -> int:
                 raise
     except OSError:
         os.close(fd)
+        os.unlink(data)  # made here, empty: the next try makes it again
         raise
     return fd
 

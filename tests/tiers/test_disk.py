@@ -552,10 +552,16 @@ def test_a_slot_file_removed_and_taken_by_another_daemon_is_left_to_it(tmp_path)
     (tmp_path / DATA_FILE).unlink()
     other = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
     other.put(NS, blocks(ks("o", 8)))
-    with pytest.raises(KvdError, match="another process holds"):
+    with pytest.raises(KvdError, match="slot file was removed.*another file has taken"):
         t.put(NS, blocks(ks("b", 8)))
     assert t.status()["state"] == "open"  # off: no evictions for writes that would fail
-    other.close()
+    t.clock = lambda: time.monotonic() + 3600  # and for good: not tried every 5 s
+    with pytest.raises(KvdError, match="off after a fault"):
+        t.put(NS, blocks(ks("b", 8)))
+    assert t.contains(NS, ks("a", 1)) == 0
+    other.close()  # stopped: its files stay its own
+    with pytest.raises(KvdError, match="off after a fault"):
+        t.put(NS, blocks(ks("b", 8)))
     t.close()  # and its journal is not written over the other's
     again = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
     assert again.restored_blocks == 8
