@@ -17,7 +17,6 @@ LONG_REFS = 200_000  # block references from which a replay earns a progress bar
 
 
 MAX_CAPACITY = 1 << 40  # blocks; more than any pool (a float of it stays exact)
-PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
 def _items(values: Sequence[str]) -> list[str]:
@@ -42,8 +41,15 @@ def plot_refusal(path: str) -> str:
     """Why ``path`` cannot take the plot (checked before a long replay), or ""."""
     if os.path.isdir(path):
         return "it is a directory"
-    if not path.lower().endswith(PLOT_FORMATS):
-        return f"name a {', '.join(PLOT_FORMATS)} file"
+    if not os.path.isdir(os.path.dirname(path) or "."):
+        return f"no directory {os.path.dirname(path)}"
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "plots need matplotlib"
+    formats = Figure().canvas.get_supported_filetypes()
+    if os.path.splitext(path)[1].lower().lstrip(".") not in formats:
+        return f"name a file of one of matplotlib's formats ({', '.join(sorted(formats))})"
     return ""
 
 

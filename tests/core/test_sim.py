@@ -365,8 +365,9 @@ def test_integer_timestamps_past_float_precision_keep_their_order(tmp_path: Path
     (["--capacity", str(10**309)], "capacities must be 1 to"),  # a float overflow in chain
     (["--capacity=--"], "capacities must be whole numbers"),  # argparse hands over a list
     (["--capacity", "4", "--policy=--"], "unknown policy"),
-    (["--capacity", "4,5", "--plot", "plot.txt"], "name a .png, .svg, .pdf file"),
+    (["--capacity", "4,5", "--plot", "plot.txt"], "one of matplotlib's formats ("),
     (["--capacity", "4,5", "--plot", "."], "it is a directory"),
+    (["--capacity", "4,5", "--plot", "no/such/dir/p.png"], "no directory no/such/dir"),
 ])
 def test_bad_arguments_are_refused_without_a_traceback(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], why: str,
@@ -387,6 +388,9 @@ def test_a_line_without_end_is_refused_at_a_bound_not_read_into_memory(
     path.write_bytes(b"\0" * (3 << 20))
     assert _run(["simulate", str(path), "--capacity", "4", "--json"]) == 2
     assert ":1: a line of over 1 Mi characters" in capsys.readouterr().err
+    line = '{"hash_ids": [1]}'
+    path.write_text(line.ljust(1 << 20) + "\n" + line + "\n")  # at the bound: taken
+    assert _run(["simulate", str(path), "--capacity", "4", "--json"]) == 0
 
 
 def test_a_non_utf8_trace_from_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
