@@ -157,8 +157,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             raise ValueError("stop_timeout_ms must be 0 (no wait) or more")
         if self.remote_ttl_s < 0:
             raise ValueError("remote_ttl_s must be 0 (no TTL) or more")
-        for key in [k for k in self.__struct_fields__ if k.endswith("_ms")] + ["remote_ttl_s"]:
-            if getattr(self, key) > MAX_MS // (1000 if key.endswith("_s") else 1):
+        for key in [k for k in self.__struct_fields__ if k.endswith("_ms")]:
+            if getattr(self, key) > MAX_MS:
                 raise ValueError(f"{key} {getattr(self, key)} is more than 30 days (a time "
                                  "this long overflows the clocks it is added to)")
         files = {"pool_path": self.pool_path, "journal_path": self.journal,

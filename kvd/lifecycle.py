@@ -304,6 +304,7 @@ class Lifecycle:
         self.phase = "stopping"
         waiting, self._answers, self._next_answers = (self._answers + self._next_answers,
                                                       [], [])
+        self._read_again = False  # (no read after a stop)
         _tell(waiting, m.Code.BUSY, "kvd is stopping: not reloaded")  # (a read may hang)
         self.notifier.stopping(self.status_line(),
                                within=server.config.stop_timeout_ms / 1000 + CLOSE_S)

@@ -54,6 +54,7 @@ def _reserve(fd: int, path: str, size: int) -> bool:
 
 TMPFS_MAGIC = 0x01021994
 HUGETLBFS_MAGIC = 0x958458F6
+RAMFS_MAGIC = 0x858458F6
 
 
 def _on(fd: int, *magics: int) -> bool:
@@ -71,24 +72,29 @@ def _on_tmpfs(fd: int) -> bool:
     return _on(fd, TMPFS_MAGIC)
 
 
-def _open(path: str) -> tuple[int, bool]:
-    """The pool file, and whether this start made it. One already there is taken only
-    when it can be a pool kvd left (a crash, a warm restart): a regular file of this
-    uid. /dev/null, a FIFO or another user's file are refused untouched (a failed start
-    removed what it could not size: it once took /dev/null with it)."""
+def _open(path: str) -> tuple[int, str]:
+    """The pool file, and what this start made ('' when it was there: a pool a crash
+    or a warm restart left). One already there is taken only if it is a regular file
+    of this uid: /dev/null, a FIFO or another user's file are refused untouched, and
+    not even opened (a failed start removed what it could not size: it once took
+    /dev/null with it)."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), True
+        return (os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600),
+                path)
     except FileExistsError:
         pass
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
-    st = os.fstat(fd)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:  # a link to a file gone (a hugetlbfs after a reboot)
+        target = os.path.realpath(path)
+        return (os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600),
+                target)
     why = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
            f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else "")
     if why:
-        os.close(fd)
         raise ConfigError(f"pool file {path} {why}: kvd leaves it alone; give pool_path "
                           "a path of its own")
-    return fd, False
+    return os.open(path, os.O_RDWR | os.O_CLOEXEC), ""
 
 
 def _unlink(path: str) -> None:
@@ -107,7 +113,7 @@ class Pool:
         self.keep = keep
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            fd, created = _open(path)
+            fd, made = _open(path)
         except OSError as e:
             raise ConfigError(f"cannot open pool file {path}: {e.strerror}") from None
         try:
@@ -123,10 +129,11 @@ class Pool:
         try:
             found = os.fstat(fd).st_size
             self.reused = keep and found == size
-            if found and not self.reused and not _on(fd, TMPFS_MAGIC, HUGETLBFS_MAGIC):
+            if (found not in (0, size) and not keep
+                    and not _on(fd, TMPFS_MAGIC, HUGETLBFS_MAGIC, RAMFS_MAGIC)):
                 raise ConfigError(f"pool file {path} holds {found} bytes on a disk "
-                                  "filesystem that no kvd pool of this size left: kvd will "
-                                  "not empty it; remove it, or give pool_path another path")
+                                  "filesystem, not a pool of this size: kvd will not empty "
+                                  "it; remove it, or give pool_path another path")
             if not self.reused:
                 os.ftruncate(fd, 0)  # stale bytes of another geometry never survive
             os.ftruncate(fd, size)
@@ -134,8 +141,8 @@ class Pool:
             self._counted = self.reserved and _on_tmpfs(fd)  # (see ``damage``)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ConfigError) as e:
-            if created:  # made by this start, and empty: nothing of anyone's is lost
-                _unlink(path)
+            if made:  # made by this start, and empty: nothing of anyone's is lost
+                _unlink(made)
             os.close(fd)
             if isinstance(e, ConfigError):
                 raise
@@ -144,8 +151,8 @@ class Pool:
                 "(is /dev/shm large enough?)"
             ) from None
         except BaseException:  # e.g. a stop during start-up: ours and empty, so gone
-            if created:
-                _unlink(path)
+            if made:
+                _unlink(made)
             os.close(fd)
             raise
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
@@ -218,8 +225,8 @@ class Pool:
             pass  # a view is still alive; the mapping goes with the process
         if unlink is None:
             unlink = not self.keep
-        if unlink:
-            _unlink(self.path)
+        if unlink:  # the file itself (pool_path may be a link to it, kept)
+            _unlink(os.path.realpath(self.path))
         if self._fd >= 0:  # after the unlink: a daemon that locks the path next is not
             os.close(self._fd)  # the one whose file goes
             self._fd = -1

@@ -89,6 +89,7 @@ class Publisher:
         # A subscription is a topic prefix: a peer that sends more is dropped, before
         # its message (and the prefix it would keep in the subscription trie) is held.
         self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)
+        self._ipc_files: dict[str, tuple[int, int]] = {}  # bound here: removed at the close
         self.endpoint = self._bind(self.pub, endpoint)
         self.replay: zmq.Socket | None = None
         self.replay_endpoint = ""
@@ -103,8 +104,7 @@ class Publisher:
             self.replay_endpoint = self._bind(self.replay, replay_endpoint)
         self._replays: deque[_Replay] = deque()
 
-    @staticmethod
-    def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    def _bind(self, sock: zmq.Socket, endpoint: str) -> str:
         """Bind (routers connect to kvd); port 0 picks one. Returns the bound address."""
         from kvd.errors import ConfigError
 
@@ -115,7 +115,12 @@ class Publisher:
         except zmq.ZMQError as e:
             sock.close(linger=0)
             raise ConfigError(f"cannot bind the events endpoint {endpoint}: {e}") from None
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if bound.startswith("ipc://") and not bound.startswith("ipc://@"):
+            with contextlib.suppress(OSError):
+                st = os.lstat(path := bound[len("ipc://"):])
+                self._ipc_files[path] = (st.st_dev, st.st_ino)
+        return bound
 
     def publish(self, batches: list[tuple[bytes, bytes, int]]) -> None:
         """Send (topic, payload, event count) batches, in order, one sequence each."""
@@ -242,12 +247,11 @@ class Publisher:
         self.pub.close(linger=linger_ms)
         if self.replay is not None:
             self.replay.close(linger=0)
-        for endpoint in (self.endpoint, self.replay_endpoint):  # as the daemon's socket
-            if endpoint and endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-                path = endpoint[len("ipc://"):]
-                with contextlib.suppress(OSError):
-                    if stat.S_ISSOCK(os.lstat(path).st_mode):
-                        os.unlink(path)
+        for path, ident in self._ipc_files.items():  # the ones it bound, as the daemon's
+            with contextlib.suppress(OSError):  # socket: not a later daemon's at the path
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) == ident:
+                    os.unlink(path)
 
 
 class KvEvents:

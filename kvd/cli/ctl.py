@@ -93,10 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--wait", type=_seconds, default=60.0,
                    help="seconds to wait for the read (a file on a slow mount; default "
                         "%(default)s)")
-    r.add_argument("--pid", type=int,
+    r.add_argument("--pid", type=_daemon_pid,
                    help="kvd's pid (systemd's $MAINPID): sent SIGHUP instead when kvd "
-                        "cannot be asked (no socket, no answer, or a kvd older than "
-                        "reload requests); exit 0 then, its log says the outcome")
+                        "cannot be asked (no socket, no answer to the hello, or a kvd "
+                        "older than reload requests); exit 0 then, its log says the "
+                        "outcome")
     h = cmd("health", "one line; exit 0 when kvd is serving, 1 when unhealthy, 3 when down")
     h.add_argument("--live", action="store_true",
                    help="liveness only: answering is enough (starting/stopping count as ok)")
@@ -190,22 +191,45 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    try:
-        with AdminClient(args.socket_path, args.timeout) as c:
+    asked = False  # past the Hello: kvd has the request (no answer is then no reload)
+    with AdminClient(args.socket_path, args.timeout) as c:
+        try:
             c.connect()  # within --timeout: a stale socket is told at once
             c.timeout = max(args.timeout, args.wait)  # the read may take long
+            asked = True
             reply = c.request(m.Reload)  # refused: Failed, exit 1 with why
-    except (Unreachable, Failed) as e:
-        older = (isinstance(e, Failed) and e.code == m.Code.BAD_REQUEST
-                 and "malformed message" in str(e))  # a kvd from before reload requests
-        if args.pid is None or not (older or isinstance(e, Unreachable)):
-            raise
-        os.kill(args.pid, signal.SIGHUP)
-        print(f"kvdctl: kvd could not be asked ({e}); sent SIGHUP to pid {args.pid}: its "
-              "log says what it applied", file=sys.stderr)
-        return EXIT_OK
+        except (Unreachable, Failed) as e:
+            older = (isinstance(e, Failed) and e.code == m.Code.BAD_REQUEST
+                     and "malformed message" in str(e))  # a kvd from before Reload
+            if args.pid is None or not (older or isinstance(e, Unreachable) and not asked):
+                raise
+            return _sighup(args.pid, e)
     assert isinstance(reply, m.Reloaded)
     return _out(args, {"summary": reply.summary}, render.printable(reply.summary))
+
+
+def _sighup(pid: int, why: Exception) -> int:
+    """kvdctl reload's fallback: what ``ExecReload=kill -HUP`` did."""
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as e:
+        print(f"kvdctl: kvd could not be asked ({why}), nor signalled: pid {pid}: "
+              f"{e.strerror}", file=sys.stderr)
+        return EXIT_DOWN
+    print(f"kvdctl: kvd could not be asked ({why}); sent SIGHUP to pid {pid}: its log "
+          "says what it applied", file=sys.stderr)
+    return EXIT_OK
+
+
+def _daemon_pid(text: str) -> int:
+    """A pid to signal (argparse type): 0 and -1 would signal a group, or everything."""
+    try:
+        pid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a pid: {text!r}") from None
+    if pid <= 1:
+        raise argparse.ArgumentTypeError(f"{pid}: expected a process id above 1")
+    return pid
 
 
 def _show_value(key: str, value: Any) -> str:

@@ -3,6 +3,7 @@ and giving back what a start that failed took."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -70,8 +71,9 @@ def reopen_data(path: str, size: int) -> int:
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
     except OSError:
+        with contextlib.suppress(OSError):  # made here, empty: the next try makes it
+            os.unlink(data)  # again (unlinked while locked: nobody else's file goes)
         os.close(fd)
-        os.unlink(data)  # made here, empty: the next try makes it again
         raise
     return fd
 

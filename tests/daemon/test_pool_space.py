@@ -99,6 +99,31 @@ def test_a_pool_path_that_is_no_pool_of_kvd_is_refused_untouched(tmp_path):
     assert precious.read_text() == "pool_size = \"8M\"\n"
 
 
+def test_pools_kvd_left_on_a_disk_filesystem_are_taken_again(tmp_path):
+    """A pool of this size a kill -9 left, and one a warm restart (persistence) names,
+    are kvd's own wherever they are: refusing them kept a crashed kvd from restarting."""
+    path = tmp_path / "kvd.pool"
+    Pool(str(path), 4 << 20, prefault=False).close(unlink=False)  # as a kill -9 leaves it
+    Pool(str(path), 4 << 20, prefault=False).close()
+    Pool(str(path), 4 << 20, prefault=False, keep=True).close(unlink=False)
+    pool = Pool(str(path), 8 << 20, prefault=False, keep=True)  # persistence, resized
+    assert not pool.reused
+    pool.close()
+
+
+def test_a_pool_path_linking_to_a_file_gone_makes_it_there(tmp_path):
+    """A link to a hugetlbfs file a reboot removed: the start failed ("No such file")."""
+    target, link = tmp_path / "target.pool", tmp_path / "kvd.pool"
+    link.symlink_to(target)
+    pool = Pool(str(link), 4 << 20, prefault=False)
+    assert target.stat().st_size == 4 << 20
+    pool.close()  # the file goes, the link stays (a tmpfiles.d line owns it)
+    assert link.is_symlink() and not target.exists()
+    with pytest.raises(ConfigError, match="cannot size pool file"):
+        Pool(str(link), 1 << 62, prefault=False)  # a failed start removes what it made
+    assert link.is_symlink() and not target.exists()
+
+
 def test_a_pool_file_of_another_user_is_refused_untouched(small_tmpfs):
     path = small_tmpfs / "kvd.pool"
     path.write_bytes(b"theirs")

@@ -765,7 +765,15 @@ def test_kvdctl_reload_returns_once_the_file_is_applied_or_refused(daemon_factor
     assert ctl.main(["--socket", nowhere, "reload", "--pid", str(d.pid)]) == 0
     assert "sent SIGHUP to pid" in capsys.readouterr().err
     assert "max_lease_ms 7000 -> 8000" in wait_log(d, "7000 -> 8000")
+    pid = d.pid
     assert d.stop() == 0
+    # A pid gone is said (it was a traceback); 0 and -1 would signal a group, or all.
+    assert ctl.main(["--socket", nowhere, "reload", "--pid", str(pid)]) == 3
+    assert "nor signalled" in capsys.readouterr().err
+    for pid in ("0", "-1", "x"):
+        with pytest.raises(SystemExit) as e:
+            ctl.main(["--socket", nowhere, "reload", "--pid", pid])
+        assert e.value.code == 2
 
 
 def test_reload_answers_wait_for_a_read_that_starts_after_them():
