@@ -47,6 +47,12 @@ _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK) 
 # (Connection bounds the outbox at MAX_QUEUED and refuses beyond it).
 FLUSH_BUDGET = 1000
 MAX_QUEUED = 2 * FLUSH_BUDGET
+# While messages keep coming (more than a wake-up reads), deadlines are still checked
+# this often: a flood must not keep a Transfer past its deadline (an engine's step waits).
+FLOOD_EXPIRY_S = 0.1
+# An undecodable message is logged once per this long (a flood of them wrote 40,000
+# lines a second to the engine's stderr); the others are counted.
+WARN_EVERY_S = 10.0
 MAX_PID = 1 << 22  # Linux's pid_max at most: a larger pid in a HelloOk is not a process
 
 
@@ -112,6 +118,9 @@ class IOLoop:
         self.inbox: list[bytes] = []  # received on a caller's thread, for this one
         self.watched_fd = -1
         self.callers_until = 0.0  # until then, callers receive: the thread need not watch
+        self.expire_by = 0.0  # deadlines are checked by then, even in a flood
+        self.undecodable = 0  # messages that could not be read, since the last warning
+        self.warned_at = -WARN_EVERY_S
         # pidfd -> daemon run, where it is in our PID namespace: the current run, and an
         # earlier one while Transfers sent to it are not over (it may still copy them)
         self.daemons: dict[int, str] = {}
@@ -174,8 +183,13 @@ class IOLoop:
             # After the socket: the daemon's last Dones may have come with its exit.
             for fd in [fd for fd in self.daemons if fd in events]:
                 self.daemon_exited(fd)
-            # Nothing expires while replies wait unread: its own may be among them.
-            self.timers(time.monotonic(), expire=not more)
+            # Nothing expires while replies wait unread (its own may be among them),
+            # unless they keep coming: then every FLOOD_EXPIRY_S all the same.
+            now = time.monotonic()
+            expire = not more or now >= self.expire_by
+            if expire:
+                self.expire_by = now + FLOOD_EXPIRY_S
+            self.timers(now, expire=expire)
 
     def watch(self, fd: int) -> None:
         """Poll ``fd`` (the socket's FD; -1: none) from now on."""
@@ -271,6 +285,9 @@ class IOLoop:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         # Only a caller's receive window blocks in recv (the I/O thread never does).
         sock.setsockopt(zmq.RCVTIMEO, int(RECEIVE_WINDOW_S * 1000))
+        # A larger message is no kvd's: ZeroMQ drops the connection instead of holding
+        # it (a 256 MiB reply took 600 MiB of the engine's memory).
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
         try:
             sock.connect(c.endpoint)
         except zmq.ZMQError as e:  # (a path too long for a socket, say): stays down
@@ -378,7 +395,11 @@ class IOLoop:
             # Done; an Error, which refuses one it did not take), the ping, the
             # handshake (a refusal). Another reply to a Transfer is left to its Done or
             # deadline (the daemon may still be copying it).
-            log.warning("undecodable reply from kvd: %s", e)
+            self.undecodable += 1
+            if time.monotonic() - self.warned_at >= WARN_EVERY_S:
+                log.warning("undecodable reply from kvd: %s (%d such since the last "
+                            "warning)", e, self.undecodable)
+                self.warned_at, self.undecodable = time.monotonic(), 0
             tag, req = m.peek(data)
             entry = self.pending.pop(req, None)
             if entry is not None and entry[0] is not None:
@@ -461,8 +482,12 @@ class IOLoop:
             self.handshake_req = c.next_req()
             reg = msgspec.structs.replace(c._register, req=self.handshake_req)
             self.raw_send(reg)
-        elif isinstance(reply, m.Registered):
+        elif isinstance(reply, m.Registered) and self.phase == "register":
             self.ready(reply)
+        else:  # (a Registered for a Hello skipped the version and pid checks)
+            name = type(reply).__name__
+            self.refused(f"bad handshake ({name})", f"kvd answered the handshake with a "
+                                                    f"{name}: running without kvd")
 
     def refused(self, why: str, warning: str) -> None:
         """A handshake that cannot go on: down for ``why``, said once per reason, tried
@@ -570,7 +595,7 @@ class IOLoop:
         end = time.monotonic() + EXIT_GRACE_S
         while self.in_flight[run] and self.sock is not None and time.monotonic() < end:
             if self.sock.poll(5):
-                self.drain()
+                self.drain(budget=FLUSH_BUDGET)  # (bounded: the wait's end is checked)
         self.end_transfers(m.Code.CLIENT_GONE, "kvd exited", run=run)
         if self.phase != "down":
             self.lost("kvd exited")
@@ -617,7 +642,7 @@ class IOLoop:
             end = time.monotonic() + CLOSE_WAIT_S
             while self.transfers and self.sock is not None and time.monotonic() < end:
                 if self.sock.poll(5):
-                    self.drain()
+                    self.drain(budget=FLUSH_BUDGET)  # (bounded: the wait's end is checked)
         self.lost("connection closed", quiet=True)
         self.flush_outbox()  # anything left: ended here (the connection is down now)
         # Closing means this process stops using kvd (an engine shutting down): what is

@@ -230,8 +230,16 @@ class KvdManager(OffloadingManager):
             return
         if not isinstance(reply, m.LookupOk):
             return
-        st.gave_up = False
         slots = unpack_u32(reply.slots).tolist()
+        if not (0 <= reply.hits <= len(slots) and 0 <= reply.pending
+                and reply.hits + reply.pending <= len(st.sent)):  # no kvd's answer: a miss
+            # (hits=-1 sliced the keys from the end: hits on keys kvd never named)
+            self.boundary.note("lookup", "bad reply", f"{reply.hits} hits, {reply.pending} "
+                               f"pending, {len(slots)} slots for {len(st.sent)} keys")
+            if reply.lease and self.conn.up:
+                self.conn.submit(m.Release(self.conn.next_req(), reply.lease))
+            return
+        st.gave_up = False
         st.hits = dict(zip(st.sent[:reply.hits], slots))
         st.pending = frozenset(st.sent[reply.hits:reply.hits + reply.pending])
         st.answered = frozenset(st.sent[:reply.hits + reply.pending + 1])
@@ -407,8 +415,13 @@ class KvdManager(OffloadingManager):
         except KvdClientError as e:  # the workers' Transfers fail too: the store is skipped
             self.boundary.note("prepare_store", "allocate", e)
             return
-        assert isinstance(reply, m.Allocated)
-        slots = unpack_u32(reply.slots)
+        try:
+            if not isinstance(reply, m.Allocated):
+                raise ValueError(f"a {type(reply).__name__}")
+            slots = unpack_u32(reply.slots)
+        except ValueError as e:  # no kvd's answer (the workers' Transfers fail with it)
+            self.boundary.note("prepare_store", "bad reply", e)  # (a traceback each, before)
+            return
         self.boundary.count("store.blocks", int((slots != NO_SLOT).sum()))
         self.boundary.count("store.present", int((slots == NO_SLOT).sum()))
         if reply.allocated < len(slots):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvd_client import Connection, RemoteError, Timeout, Unavailable, host_regions
+from kvd_client.io_loop import CLOSE_WAIT_S, GRACE_S
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
 from tests.daemon.workers import Spec, fingerprint
@@ -372,7 +373,11 @@ def test_answers_a_newer_daemon_gives_end_what_they_answer_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("hello", [_new_error, lambda msg: m.encode(m.HelloOk(
-    msg.req, m.PROTOCOL_VERSION + 1, os.getpid(), "fake", 1, 0))], ids=["error", "version"])
+    msg.req, m.PROTOCOL_VERSION + 1, os.getpid(), "fake", 1, 0)),
+    # Taken as a finished handshake: up without the version and pid checks, and with
+    # no daemon run to tell a slot's run by.
+    lambda msg: m.encode(m.Registered(msg.req, 1, 4096, 4096))],
+    ids=["error", "version", "registered"])
 def test_a_handshake_a_newer_daemon_refuses_or_speaks_another_version_is_a_refusal(tmp_path,
                                                                                   hello):
     """An undecodable refusal left the client handshaking until its timeout, then
@@ -628,3 +633,81 @@ def test_a_refused_register_is_logged_once_while_it_is_retried(daemon_factory, c
     finally:
         c.close()
         first.close()
+
+
+FLOODER = """
+import sys, time, zmq
+from kvd_proto import messages as m
+path, seconds = sys.argv[1], float(sys.argv[2])
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+sock.setsockopt(zmq.SNDHWM, 0)
+sock.bind(f"ipc://{path}")
+print("ready", flush=True)
+while True:
+    ident, data = sock.recv_multipart()
+    msg = m.decode_request(data)
+    if isinstance(msg, m.Hello):
+        sock.send_multipart([ident, m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, 1,
+                                                       "flood", 1, 0))])
+    elif isinstance(msg, m.Transfer):  # never a Done: bytes no kvd sends, without pause
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for _ in range(1000):
+                sock.send_multipart([ident, b"\\xc1"])
+        break
+"""
+
+
+@pytest.mark.parametrize("closing", [False, True], ids=["deadline", "close"])
+def test_a_flood_of_messages_neither_holds_a_transfer_past_its_deadline_nor_close(
+        tmp_path, closing):
+    """While more came than a wake-up reads, nothing expired: a load waited out the
+    whole flood (the engine's step with it), and close() outlived its wait, its thread
+    and ZeroMQ context left behind; each message logged a WARNING (40,000 a second)."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "flood.sock")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    flooder = subprocess.Popen([sys.executable, "-c", FLOODER, path, "8"], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    dones: list[m.Done] = []
+    try:
+        assert flooder.stdout is not None and flooder.stdout.readline().strip() == "ready"
+        c = Connection(path, on_done=dones.append, transfer_timeout=0.3)
+        assert c.wait_up(5)
+        t0 = time.monotonic()
+        assert c.send(m.Transfer(c.next_req(), 1, m.Direction.LOAD, pack_u32([0]),
+                                 pack_u32([0])))
+        time.sleep(0.2)  # the flood has begun
+        if closing:
+            c.close()
+            assert time.monotonic() - t0 < 0.2 + CLOSE_WAIT_S + 1.5
+            assert not c._thread.is_alive()
+        else:
+            assert wait_for(lambda: dones, 6)
+            assert time.monotonic() - t0 < 0.3 + GRACE_S + 1.5, time.monotonic() - t0
+            assert dones[0].code == m.Code.EXPIRED
+            c.close()
+        assert len(dones) == 1
+    finally:
+        flooder.kill()
+        flooder.wait(10)
+
+
+def test_a_reply_larger_than_any_kvd_sends_is_not_taken(tmp_path):
+    """A 256 MiB reply was read whole (600 MiB of the engine's memory at its peak)."""
+    def answer(msg):
+        return m.encode(m.StatsOk(msg.req, b"x" * (m.MAX_MESSAGE_BYTES + 1)))
+
+    path = str(tmp_path / "fake.sock")
+    t, stop = misbehaving_daemon(path, answer)
+    c = Connection(path, timeout=2)
+    try:
+        assert c.wait_up(5)
+        with pytest.raises((Timeout, Unavailable)):
+            c.request(m.Stats(c.next_req()), timeout=2)
+    finally:
+        c.close()
+        stop.set()
+        t.join(5)

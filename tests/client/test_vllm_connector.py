@@ -1015,3 +1015,31 @@ def test_stores_name_their_parent_and_whether_their_keys_are_consecutive(daemon_
         mgr.shutdown()
         worker.shutdown()
         sub.close(linger=0)
+
+
+@pytest.mark.parametrize("hits, pending", [(-1, 0), (0, -2), (5, 0), (2, 2)])
+def test_a_lookup_answer_no_kvd_gives_is_a_miss(tmp_path, hits, pending):
+    """hits=-1 sliced the keys from the end: vLLM was told HIT for keys the daemon never
+    named (and a torn Allocated logged a traceback per store)."""
+    from tests.client.test_connection import misbehaving_daemon
+
+    def answer_(msg):
+        if isinstance(msg, m.Lookup):
+            return m.encode(m.LookupOk(msg.req, hits, b"\0\0\0\0" * 2, 7, pending))
+        return m.encode(m.Ok(msg.req))  # an Allocate's answer of the wrong kind
+
+    path = str(tmp_path / "fake.sock")
+    t, stop = misbehaving_daemon(path, answer_)
+    mgr = KvdManager(options(path), make_fingerprint(FACTS, b"root"), FACTS)
+    try:
+        assert mgr.conn.wait_up(10)
+        keys = keys_for("bad", 3)
+        ctx = request("r-bad", keys)
+        assert answer(mgr, ctx, keys) == [MISS]
+        assert mgr.boundary.counts["lookup.bad reply"] == 1
+        mgr.prepare_store(keys, ctx)
+        assert wait_for(lambda: mgr.boundary.counts["prepare_store.bad reply"] == 1, 5)
+    finally:
+        mgr.shutdown()
+        stop.set()
+        t.join(5)
