@@ -595,7 +595,7 @@ class IOLoop:
         end = time.monotonic() + EXIT_GRACE_S
         while self.in_flight[run] and self.sock is not None and time.monotonic() < end:
             if self.sock.poll(5):
-                self.drain(budget=FLUSH_BUDGET)  # (bounded: the wait's end is checked)
+                self.drain()  # (what a gone daemon sent is finite: all of its Dones)
         self.end_transfers(m.Code.CLIENT_GONE, "kvd exited", run=run)
         if self.phase != "down":
             self.lost("kvd exited")

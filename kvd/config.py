@@ -155,8 +155,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
                 raise ValueError(f"{key}: {bad[0]} is not a uid (0..{0xFFFFFFFF - 1})")
         if self.stop_timeout_ms < 0:
             raise ValueError("stop_timeout_ms must be 0 (no wait) or more")
-        if self.remote_ttl_s < 0:
-            raise ValueError("remote_ttl_s must be 0 (no TTL) or more")
+        if not 0 <= self.remote_ttl_s <= MAX_TTL_S:  # (Redis refuses an EX past 2**63 ms)
+            raise ValueError(f"remote_ttl_s {self.remote_ttl_s} not in 0 (no TTL).."
+                             f"{MAX_TTL_S} (100 years)")
         for key in [k for k in self.__struct_fields__ if k.endswith("_ms")]:
             if getattr(self, key) > MAX_MS:
                 raise ValueError(f"{key} {getattr(self, key)} is more than 30 days (a time "
@@ -200,6 +201,7 @@ MAX_MESSAGE_BYTES = 1 << 30  # the daemon's socket takes twice this (MAXMSGSIZE,
 INT_MAX = (1 << 31) - 1
 MAX_MS = 30 * 86_400_000  # any time key: longer ones are typos (and overflow clocks)
 MAX_SOCKET_PATH = 107  # bytes of sun_path, less its NUL
+MAX_TTL_S = 100 * 365 * 86_400
 
 
 def _endpoint_problem(value: str) -> str:

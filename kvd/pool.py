@@ -9,6 +9,7 @@ do not pay for page faults; mlock is optional.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -79,22 +80,47 @@ def _open(path: str) -> tuple[int, str]:
     not even opened (a failed start removed what it could not size: it once took
     /dev/null with it)."""
     try:
-        return (os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600),
-                path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        _mark(fd)
+        return fd, path
     except FileExistsError:
         pass
     try:
         st = os.stat(path)
     except FileNotFoundError:  # a link to a file gone (a hugetlbfs after a reboot)
         target = os.path.realpath(path)
-        return (os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600),
-                target)
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        _mark(fd)
+        return fd, target
     why = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
            f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else "")
     if why:
         raise ConfigError(f"pool file {path} {why}: kvd leaves it alone; give pool_path "
                           "a path of its own")
-    return os.open(path, os.O_RDWR | os.O_CLOEXEC), ""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    if _identity(os.fstat(fd)) != _identity(st):  # replaced between the two calls
+        os.close(fd)
+        raise ConfigError(f"pool file {path} was replaced while kvd opened it")
+    return fd, ""
+
+
+MARK = "user.kvd.pool"  # on the files kvd makes: a disk file of the pool's size is kvd's
+
+
+def _mark(fd: int) -> None:
+    with contextlib.suppress(OSError):  # (a tmpfs may take no user xattrs: not needed)
+        os.setxattr(fd, MARK, b"1")
+
+
+def _marked(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, MARK) == b"1"
+    except OSError:
+        return False
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _unlink(path: str) -> None:
@@ -129,10 +155,10 @@ class Pool:
         try:
             found = os.fstat(fd).st_size
             self.reused = keep and found == size
-            if (found not in (0, size) and not keep
+            if (found and not keep and not _marked(fd)
                     and not _on(fd, TMPFS_MAGIC, HUGETLBFS_MAGIC, RAMFS_MAGIC)):
                 raise ConfigError(f"pool file {path} holds {found} bytes on a disk "
-                                  "filesystem, not a pool of this size: kvd will not empty "
+                                  "filesystem and is no pool kvd made: kvd will not empty "
                                   "it; remove it, or give pool_path another path")
             if not self.reused:
                 os.ftruncate(fd, 0)  # stale bytes of another geometry never survive
@@ -201,6 +227,15 @@ class Pool:
             return f"cannot reserve it again: {e.strerror}"
         return ""
 
+    def _unlink_own(self) -> None:
+        """Remove the pool's file, not another one the path leads to now (a link
+        pointed elsewhere, or a file made there after this one was removed)."""
+        try:
+            if _identity(os.stat(self.path)) == _identity(os.fstat(self._fd)):
+                _unlink(os.path.realpath(self.path))
+        except OSError:
+            pass
+
     def _prefault(self) -> None:
         rc = _libc.madvise(ctypes.c_void_p(self.base), ctypes.c_size_t(self.size),
                            MADV_POPULATE_WRITE)
@@ -225,8 +260,8 @@ class Pool:
             pass  # a view is still alive; the mapping goes with the process
         if unlink is None:
             unlink = not self.keep
-        if unlink:  # the file itself (pool_path may be a link to it, kept)
-            _unlink(os.path.realpath(self.path))
+        if unlink:  # the file itself (pool_path may be a link to it, kept), if the
+            self._unlink_own()  # path still leads to it
         if self._fd >= 0:  # after the unlink: a daemon that locks the path next is not
             os.close(self._fd)  # the one whose file goes
             self._fd = -1

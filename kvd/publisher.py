@@ -25,7 +25,6 @@ import contextlib
 import itertools
 import logging
 import os
-import stat
 import time
 from collections import deque
 from collections.abc import Callable, Iterable

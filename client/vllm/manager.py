@@ -230,7 +230,10 @@ class KvdManager(OffloadingManager):
             return
         if not isinstance(reply, m.LookupOk):
             return
-        slots = unpack_u32(reply.slots).tolist()
+        try:
+            slots = unpack_u32(reply.slots).tolist()
+        except ValueError:  # a torn length: fails the check below, its lease released
+            slots = []
         if not (0 <= reply.hits <= len(slots) and 0 <= reply.pending
                 and reply.hits + reply.pending <= len(st.sent)):  # no kvd's answer: a miss
             # (hits=-1 sliced the keys from the end: hits on keys kvd never named)

@@ -60,6 +60,7 @@ def test_bad_values_are_rejected_naming_the_key(env, key):
     ({"KVD_EVENTS_TOPIC": "kv@{model!r}"}, "events_topic .* without formats"),
     ({"KVD_REMOTE_TIMEOUT_MS": str(1 << 63)}, "remote_timeout_ms .* more than 30 days"),
     ({"KVD_MAX_LEASE_MS": str(31 * 86_400_000)}, "max_lease_ms .* more than 30 days"),
+    ({"KVD_REMOTE_TTL_S": str(1 << 60)}, "remote_ttl_s .* not in 0 \\(no TTL\\)"),
     ({"KVD_EVENTS_ENDPOINT": "tcp://127.0.0.1:99999"}, "events_endpoint .* not 0..65535"),
     ({"KVD_EVENTS_ENDPOINT": "tcp://*:5557", "KVD_EVENTS_REPLAY_ENDPOINT": "tcp://*:"},
      "events_replay_endpoint .* not 0..65535"),

@@ -97,11 +97,23 @@ def test_a_pool_path_that_is_no_pool_of_kvd_is_refused_untouched(tmp_path):
     with pytest.raises(ConfigError, match="will not empty it"):
         Pool(str(precious), 8 << 20)
     assert precious.read_text() == "pool_size = \"8M\"\n"
+    image = tmp_path / "disk.img"  # of exactly the pool's size, as images often are
+    image.write_bytes(b"\7" * (4 << 20))
+    with pytest.raises(ConfigError, match="no pool kvd made"):
+        Pool(str(image), 4 << 20)
+    assert image.read_bytes() == b"\7" * (4 << 20)
 
 
 def test_pools_kvd_left_on_a_disk_filesystem_are_taken_again(tmp_path):
-    """A pool of this size a kill -9 left, and one a warm restart (persistence) names,
-    are kvd's own wherever they are: refusing them kept a crashed kvd from restarting."""
+    """A pool a kill -9 left (kvd marks the files it makes), and one a warm restart
+    (persistence) names, are kvd's own wherever they are: refusing them kept a crashed
+    kvd from restarting."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, "user.kvd.probe", b"1")
+    except OSError as e:
+        pytest.skip(f"no user xattrs here: {e.strerror}")
     path = tmp_path / "kvd.pool"
     Pool(str(path), 4 << 20, prefault=False).close(unlink=False)  # as a kill -9 leaves it
     Pool(str(path), 4 << 20, prefault=False).close()
@@ -147,3 +159,14 @@ def test_a_stale_pool_of_this_user_in_a_tmpfs_is_taken_and_a_failed_start_keeps_
     with pytest.raises(ConfigError, match="No space left"):
         Pool(str(path), 64 << 20)
     assert path.exists()
+
+
+def test_the_stop_removes_the_pool_file_only(small_tmpfs):
+    """The stop removed whatever the path led to then: a file another kvd made there
+    after a clean-up removed this one's (its warm restart found nothing)."""
+    path = small_tmpfs / "kvd.pool"
+    pool = Pool(str(path), 4 << 20, prefault=False)
+    path.unlink()
+    path.write_bytes(b"another kvd's")
+    pool.close()
+    assert path.read_bytes() == b"another kvd's"
