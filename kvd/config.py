@@ -237,6 +237,8 @@ def _topic_problem(topic: str) -> str:
     except ValueError as e:  # an unmatched brace
         return str(e)
     return ""
+
+
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?$")
 
 

@@ -14,8 +14,6 @@ from kvd.core.policies.base import DEFAULT_POLICY, policy_names
 from kvd.sim import BELADY, SimResult, TraceError, load_trace, replay
 
 LONG_REFS = 200_000  # block references from which a replay earns a progress bar
-
-
 MAX_CAPACITY = 1 << 40  # blocks; more than any pool (a float of it stays exact)
 
 

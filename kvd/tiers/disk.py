@@ -394,8 +394,7 @@ class DiskTier(Tier):
             raise error from None
         with self._lock:
             keys = list(self._entries)
-            for k in keys:  # once, on this fault: a per-block loop is fine here
-                self.policy.remove(k)
+            deque(map(self.policy.remove, keys), maxlen=0)
             self._drop(keys)
             os.dup2(fd, self._fd, inheritable=False)
             os.close(fd)

@@ -65,11 +65,7 @@ def reopen_data(path: str, size: int) -> int:
         raise
     try:
         os.ftruncate(fd, size)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+        _allocate(fd, size)
     except OSError:
         with contextlib.suppress(OSError):  # made here, empty: the next try makes it
             os.unlink(data)  # again (unlinked while locked: nobody else's file goes)
@@ -78,14 +74,21 @@ def reopen_data(path: str, size: int) -> int:
     return fd
 
 
-def reserve(fd: int, size: int, path: str) -> None:
-    """Allocate the whole file now: a disk without room for it refuses the start, not a
-    write hours later. Filesystems without fallocate keep it sparse."""
+def _allocate(fd: int, size: int) -> None:
+    """Allocate the whole file; filesystems without fallocate keep it sparse."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            return
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def reserve(fd: int, size: int, path: str) -> None:
+    """Allocate the whole file now: a disk without room for it refuses the start, not a
+    write hours later."""
+    try:
+        _allocate(fd, size)
+    except OSError as e:
         raise ConfigError(f"disk tier: cannot reserve {size} bytes in "
                           f"{path}: {e.strerror}") from None
 
