@@ -55,7 +55,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     verify_on_load: bool = False  # check a block's xxh3 before every load
     max_lease_ms: int = 120_000
     max_pending_ms: int = 600_000
-    store_claim_ms: int = 10_000  # a ticketed store no worker started by then: given up
+    store_claim_ms: int = 10_000  # a ticketed store no rank (or only some) made by then: given up
     max_keys_per_request: int = 65_536
     log_level: LogLevel = "info"
     metrics_port: int = 9727  # Prometheus endpoint; 0 disables it

@@ -63,7 +63,7 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_stalled_lookups", "stalled_lookups",
      "Lookups answered as misses while copies were overdue (a stuck copy path)"),
     ("kvd_unclaimed_blocks", "unclaimed_blocks",
-     "Slots of ticketed stores no worker made in time (skipped stores), given back"),
+     "Slots of ticketed stores not every rank made in time (skipped stores), given back"),
     ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),
     ("kvd_expired_pending", "expired_pending", "Pending stores dropped at their deadline"),
     ("kvd_no_space", "no_space", "Allocations that found no room"),

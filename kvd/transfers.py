@@ -96,7 +96,7 @@ class Counters:
     stored_bytes: int = 0
     failed_transfers: int = 0
     expired_transfers: int = 0
-    unclaimed_blocks: int = 0  # slots of stores no worker made, given back (tickets)
+    unclaimed_blocks: int = 0  # slots of stores not every rank made, given back (tickets)
     corrupt_blocks: int = 0
     stalled_lookups: int = 0  # answered as misses while copies were overdue
     lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
@@ -254,7 +254,8 @@ class Transfers:
             if not store or msg.slots:
                 raise BadIds("a ticket stands for the slots of a store; send one or the other")
             try:
-                claimed = self.tickets.claim(tenant.id, msg.ticket, client.rank)
+                claimed = self.tickets.claim(tenant.id, msg.ticket, client.rank,
+                                             self.clock())
             except TicketError as e:
                 raise BadIds(str(e)) from None
             if claimed is None:  # its Allocate is still on the way (another connection)
@@ -382,10 +383,10 @@ class Transfers:
         valid = slots != NO_SLOT
         gens = np.zeros(len(slots), dtype=np.uint32)
         gens[valid] = self.index.gen[slots[valid].astype(np.int64)]
+        claim_s = self.config.store_claim_ms / 1000
         for sender, transfer in self.tickets.add(tenant.id, ticket, slots, tenant.tp_size,
-                                                 until, gens,
-                                                 claim_by=self.clock()
-                                                 + self.config.store_claim_ms / 1000):
+                                                 until, gens, claim_by=self.clock() + claim_s,
+                                                 claim_s=claim_s):
             sender.parked_bytes -= _parked_cost(transfer)
             if not sender.gone:
                 reply = self.accept(sender, transfer)
@@ -455,7 +456,7 @@ class Transfers:
     # ------------------------------------------------------------ ending early
     def expire(self, now: float) -> None:
         """Tick: parked Transfers whose ticket never came (or whose deadline passed);
-        tickets no rank stored with in time give their slots back; whether copies
+        tickets not every rank stored with in time give their slots back; whether copies
         are overdue."""
         overdue = sum(1 for job in self.owners if job.give_up < now)
         if bool(overdue) != self.stalled:
@@ -473,7 +474,7 @@ class Transfers:
             n = self.index.abort(held[same])
             self.counters.unclaimed_blocks += n
             if n:
-                log.info("%d slots of a store no worker made given back", n)
+                log.info("%d slots of a store not every rank's worker made given back", n)
         for client, msg in self.tickets.expire(now):
             client.parked_bytes -= _parked_cost(msg)
             if client.gone:

@@ -13,7 +13,10 @@ A ticket no rank has stored with by its ``claim_by`` is given up (``unclaimed``)
 workers skipped the store (they copy for themselves, run without offloading, or lost
 the daemon), and its PENDING slots would otherwise hold the blocks from every other
 engine (their Lookups wait on them, their stores find them present) until the pending
-deadline, a minute by default.
+deadline, a minute by default. So is one that some ranks stored with and the others
+not within the same time after the first: the ranks of one engine store in the same
+step, and one that never comes (its worker was refused, while another engine's worker
+of that rank made the tenant look whole) would leave the blocks unfinished as long.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class _Ticket:
     deadline: float
     gens: np.ndarray | None = None  # the slots' allocation numbers when handed out
     claimed: int = 0  # a bit per rank that stored with it
-    claim_by: float = float("inf")  # given up then if no rank stored with it
+    claim_by: float = float("inf")  # given up then if not every rank stored with it
+    claim_s: float = float("inf")  # the other ranks' time after the first one's store
     touched: bool = False  # some rank stored with it
 
 
@@ -63,9 +67,10 @@ class Tickets(Generic[T]):
 
     def add(self, tenant: int, ticket: int, slots: np.ndarray, ranks: int,
             deadline: float, gens: np.ndarray | None = None,
-            claim_by: float = float("inf")) -> list[T]:
+            claim_by: float = float("inf"), claim_s: float = float("inf")) -> list[T]:
         """Keep ``slots`` (and their allocation numbers, ``gens``) under the ticket;
-        returns the Transfers that came first (they claim it at once)."""
+        returns the Transfers that came first (they claim it at once). The first rank
+        must store by ``claim_by``, the others within ``claim_s`` of it."""
         key = (tenant, ticket)
         if key in self._held:
             raise TicketError(f"ticket {ticket} is in use; pick another")
@@ -74,7 +79,7 @@ class Tickets(Generic[T]):
             # asking again and again at a full pool must not grow the daemon)
             slots, gens = np.broadcast_to(np.uint32(NO_SLOT), slots.shape), None
         self._held[key] = _Ticket(slots, max(1, ranks), deadline, gens,
-                                  claim_by=min(claim_by, deadline))
+                                  claim_by=min(claim_by, deadline), claim_s=claim_s)
         return [item for _, item in self._parked.pop(key, ())]
 
     def take(self, tenant: int, ticket: int) -> np.ndarray | None:
@@ -83,12 +88,13 @@ class Tickets(Generic[T]):
         got = self.claim(tenant, ticket)
         return None if got is None else got[0]
 
-    def claim(self, tenant: int, ticket: int,
-              rank: int = -1) -> tuple[np.ndarray, np.ndarray | None] | None:
+    def claim(self, tenant: int, ticket: int, rank: int = -1,
+              now: float | None = None) -> tuple[np.ndarray, np.ndarray | None] | None:
         """``take``, with the allocation numbers the slots had when the ticket was added:
         a slot given up and handed out again since must not receive this store.
         TicketError when ``rank`` (if known, >= 0) claimed it before: a rank's second
-        store must not use up another rank's turn."""
+        store must not use up another rank's turn. The first claim at ``now`` starts
+        the other ranks' ``claim_s``."""
         held = self._held.get((tenant, ticket))
         if held is None:
             return None
@@ -96,6 +102,8 @@ class Tickets(Generic[T]):
             if held.claimed >> rank & 1:
                 raise TicketError(f"rank {rank} stored with ticket {ticket} already")
             held.claimed |= 1 << rank
+        if not held.touched and now is not None:
+            held.claim_by = min(now + held.claim_s, held.deadline)
         held.touched = True
         held.ranks_left -= 1
         if held.ranks_left == 0:
@@ -103,9 +111,10 @@ class Tickets(Generic[T]):
         return held.slots, held.gens
 
     def unclaimed(self, now: float) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Give up the tickets no rank stored with by their ``claim_by``: their slots and
-        allocation numbers, for the caller to abort those still the ticket's."""
-        late = [k for k, t in self._held.items() if not t.touched and t.claim_by <= now]
+        """Give up the tickets not every rank stored with by their ``claim_by``: their
+        slots and allocation numbers, for the caller to abort those still the ticket's
+        (no block of a ticket still held is whole)."""
+        late = [k for k, t in self._held.items() if t.claim_by <= now]
         out = []
         for k in late:
             t = self._held.pop(k)

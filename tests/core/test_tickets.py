@@ -74,16 +74,43 @@ def test_a_rank_claims_once_and_cannot_use_up_another_ranks_turn():
 def test_a_ticket_no_rank_stored_with_is_given_up_at_its_claim_time():
     """Workers that skip their stores (copying for themselves, running without
     offloading) left the slots PENDING until the pending deadline, holding the blocks
-    from every other engine. A ticket some rank used is kept until its deadline."""
+    from every other engine. A ticket some rank used gets ``claim_s`` from then."""
     t: Tickets[str] = Tickets()
     gens = np.array([7, 0, 9], np.uint32)
-    t.add(1, 1, np.array([3, NO_SLOT, 5], np.uint32), 2, 60.0, gens, claim_by=10.0)
-    t.add(1, 2, np.array([6], np.uint32), 2, 60.0, np.array([1], np.uint32), claim_by=10.0)
-    t.add(1, 3, np.full(2, NO_SLOT, np.uint32), 1, 60.0, claim_by=10.0)
-    t.take(1, 2)  # one of two ranks stored with ticket 2
+    t.add(1, 1, np.array([3, NO_SLOT, 5], np.uint32), 2, 60.0, gens, claim_by=10.0,
+          claim_s=10.0)
+    t.add(1, 2, np.array([6], np.uint32), 2, 60.0, np.array([1], np.uint32), claim_by=10.0,
+          claim_s=10.0)
+    t.add(1, 3, np.full(2, NO_SLOT, np.uint32), 1, 60.0, claim_by=10.0, claim_s=10.0)
+    t.claim(1, 2, rank=0, now=8.0)  # one of two ranks stored with ticket 2
     assert t.unclaimed(9.9) == []
     (slots, g), = t.unclaimed(10.0)  # ticket 3 had nothing to store: nothing to give back
     assert slots.tolist() == [3, NO_SLOT, 5] and g.tolist() == [7, 0, 9]
     assert not t.holds(1, 1) and t.holds(1, 2) and not t.holds(1, 3)
     assert t.take(1, 1) is None  # a store arriving after it waits, then ends refused
-    assert t.unclaimed(59.0) == [] and t.holds(1, 2)
+    assert t.unclaimed(17.9) == [] and t.holds(1, 2)
+
+
+def test_a_ticket_a_rank_never_stored_with_is_given_up_after_the_first_ones_store():
+    """Two engines of one tp=2 tenant, the second without its rank 1 (refused): the
+    first engine's rank 1 made the tenant look whole, the second's rank 0 stored by
+    ticket, and rank 1's half never came. The blocks stayed PENDING until the pending
+    deadline, a minute by default, holding them from the first engine."""
+    t: Tickets[str] = Tickets()
+    t.add(1, 2, np.array([6, 8], np.uint32), 2, 60.0, np.array([1, 4], np.uint32),
+          claim_by=10.0, claim_s=10.0)
+    t.claim(1, 2, rank=0, now=8.0)
+    assert t.unclaimed(17.9) == [] and t.holds(1, 2)
+    (slots, g), = t.unclaimed(18.0)
+    assert slots.tolist() == [6, 8] and g.tolist() == [1, 4] and not t.holds(1, 2)
+    # Every rank in time: retired whole, nothing given up. The window ends at the
+    # pending deadline at the latest (the slots are dropped then anyway).
+    t.add(1, 3, np.array([9], np.uint32), 2, 60.0, np.array([2], np.uint32),
+          claim_by=10.0, claim_s=10.0)
+    t.claim(1, 3, rank=1, now=9.0)
+    t.claim(1, 3, rank=0, now=18.5)
+    assert t.unclaimed(100.0) == [] and len(t) == 0
+    t.add(1, 4, np.array([5], np.uint32), 2, 12.0, np.array([3], np.uint32),
+          claim_by=10.0, claim_s=10.0)
+    t.claim(1, 4, rank=0, now=9.0)
+    assert [s.tolist() for s, _ in t.unclaimed(12.0)] == [[5]]

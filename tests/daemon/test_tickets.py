@@ -224,3 +224,39 @@ def test_a_store_no_worker_makes_gives_its_slots_back(daemon_factory):
         w.close()
         skipping.close()
         other.close()
+
+
+def test_a_store_one_rank_never_makes_gives_its_slots_back(daemon_factory):
+    """Two engines of a tp=2 tenant, the second without its rank 1 (its Register was
+    refused): the first engine's rank 1 made the tenant look whole, so the second's
+    Allocate passed and its rank 0 stored by ticket. Nothing stored rank 1's half, and
+    the blocks stayed PENDING for the pending time (a minute), holding them from the
+    first engine: its Lookups waited on them, its Allocates got no slots."""
+    d = daemon_factory(env={"KVD_STORE_CLAIM_MS": "500"})
+    r0, r1 = Spec(d.socket, tp_size=2, rank=0), Spec(d.socket, tp_size=2, rank=1)
+    whole, halved = scheduler(d, r0), scheduler(d, r0)
+    a0, a1, b0 = Worker(r0), Worker(r1), Worker(r0)
+    try:
+        ks = keys(4, "halved")
+        allocate(halved, ks, 5)
+        assert b0.store(1, range(4), [], ticket=5)[1] == 0  # rank 0's half
+        assert lookup(whole, ks).pending == 4
+        assert wait_for(lambda: d.status()["counters"]["unclaimed_blocks"] == 4, 10)
+        assert lookup(whole, ks).pending == 0
+        assert d.status()["blocks"]["pending"] == 0
+        allocate(whole, ks, 6)  # the whole engine's store now goes in
+        assert a0.store(2, range(4), [], ticket=6)[1] == 0
+        assert a1.store(3, range(4), [], ticket=6)[1] == 0
+        assert lookup(whole, ks).hits == 4
+        # Rank 1 of the halved engine, late past its time: its store finds no ticket.
+        late = Worker(r1)
+        try:
+            code, message = late.store(4, range(4), [], ticket=5)[1:3]
+            assert code == m.Code.BAD_IDS and "ticket 5" in message
+        finally:
+            late.close()
+        assert lookup(whole, ks).hits == 4
+        assert d.status()["counters"]["unclaimed_blocks"] == 4
+    finally:
+        for c in (a0, a1, b0, whole, halved):
+            c.close()
