@@ -165,7 +165,15 @@ class Pool:
             os.ftruncate(fd, size)
             self.reserved = _reserve(fd, path, size)
             self._counted = self.reserved and _on_tmpfs(fd)  # (see ``damage``)
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED,
+                                     mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:  # the file has its room: the address space has not
+                raise ConfigError(
+                    f"cannot map pool file {path} ({size} bytes): {e.strerror}"
+                    + (" (the process's address-space limit, ulimit -v / LimitAS, "
+                       "is below the pool's size)" if e.errno == errno.ENOMEM else "")
+                ) from None
         except (OSError, ConfigError) as e:
             if made:  # made by this start, and empty: nothing of anyone's is lost
                 _unlink(made)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 
 from kvd.errors import ConfigError
 from kvd.pool import Pool
+from tests.waiting import in_child
 
 
 @pytest.fixture
@@ -66,6 +68,27 @@ def test_the_daemon_stops_with_a_clear_error(small_tmpfs, tmp_path):
     assert r.returncode not in (0, -7), r  # -7: SIGBUS
     assert "cannot reserve 64 MiB" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert os.listdir(small_tmpfs) == []
+
+
+def test_a_pool_its_address_space_cannot_map_says_so(small_tmpfs):
+    """The file reserved, its mapping refused (ENOMEM under an address-space limit): the
+    error sent operators to /dev/shm's size, which was not the cause."""
+    path = str(small_tmpfs / "kvd.pool")
+
+    def refused() -> bool:
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        limit = (vm << 10) + (2 << 20)  # 2 MiB more than this process maps: not 8
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        try:
+            Pool(path, 8 << 20)
+        except ConfigError as e:
+            return "cannot map pool file" in str(e) and "LimitAS" in str(e) \
+                and "/dev/shm" not in str(e)
+        return False
+
+    assert in_child(refused, 30) == 0
+    assert os.listdir(small_tmpfs) == []  # the file this start made is gone
 
 
 def test_a_pool_size_of_no_whole_extents_reserves_only_whole_ones(daemon_factory):
