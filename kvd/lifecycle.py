@@ -280,10 +280,13 @@ class Lifecycle:
                 said = f"reload failed, keeping the running configuration: {e}"
                 log.error("%s", said)
                 return m.Code.BAD_REQUEST, said
-            self.origins.update({k: origins[k] for k in live if k in origins})
             server.apply_config(effective, self.origins)
             if "log_level" in live:
                 logging.getLogger().setLevel(effective.log_level.upper())
+        # Where each running value comes from now: the sources just read name every key
+        # but those that changed and wait for a restart (a value the file names as it
+        # runs is the file's now; one the file no longer names is the default's).
+        self.origins.update({k: v for k, v in origins.items() if k not in restart})
         said = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(live.items()))
         parts = [f"reloaded {said}" if said else "reload: no live setting changed"]
         if restart:
