@@ -100,18 +100,27 @@ def open_standard_fds() -> None:
         sys.stdout = open(1, "w", closefd=False, errors="backslashreplace")  # noqa: SIM115
 
 
+LOW_FD_LIMIT = 4096  # below this, a few thousand connections could end the daemon
+
+
 def raise_fd_limit() -> None:
     """Each client connection is a descriptor, and ZeroMQ aborts the process when an
-    accept fails for want of one (EMFILE): take the hard limit, not a shell's 1,024."""
+    accept fails for want of one (EMFILE): take the hard limit, not a shell's 1,024,
+    and say so when even that is low (the abort is not kvd's to catch)."""
+    log = logging.getLogger("kvd")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft == resource.RLIM_INFINITY or soft >= want:
-        return
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError) as e:
-        logging.getLogger("kvd").warning("cannot raise the descriptor limit from %d: %s",
-                                         soft, e)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the descriptor limit from %d: %s", soft, e)
+    if soft != resource.RLIM_INFINITY and soft < LOW_FD_LIMIT:
+        log.warning("descriptor limit %d (hard %s): each client connection takes one, "
+                    "and the daemon aborts (a ZeroMQ limit) when a connection finds none "
+                    "left; raise it to %d or more (LimitNOFILE=, ulimit -Hn)", soft,
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard, LOW_FD_LIMIT)
 
 
 async def _serve(config, origins, reload_config) -> None:

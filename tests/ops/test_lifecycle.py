@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from kvd_client import host_regions
 from kvd_proto import messages as m
 from kvd_proto.ids import pack_u32
 from tests.daemon.workers import Spec, fingerprint, make_memory
-from tests.waiting import wait_for
+from tests.waiting import in_child, wait_for
 
 
 def wait_log(d, text: str, timeout: float = 10.0) -> str:
@@ -581,6 +582,54 @@ def _serving_lifecycle(asked: list[int]) -> Lifecycle:
     life.status_line = lambda: "x"
     life.phase = "serving"
     return life
+
+
+@pytest.mark.parametrize(("limit", "warned"), [(256, True), (8192, False)])
+def test_a_low_descriptor_limit_is_said_at_start(limit, warned):
+    """ZeroMQ aborts the daemon when an accept finds no descriptor left (a hunt ended it
+    with 42 connections under a hard limit of 64): raising the soft limit to the hard
+    one cannot help there, so the start says so."""
+    import logging
+
+    from kvd.cli.serve import raise_fd_limit
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        pytest.skip("the hard descriptor limit here is below the case's")
+
+    def said() -> bool:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, limit))
+        lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore
+        logging.getLogger("kvd").addHandler(handler)
+        raise_fd_limit()
+        raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0] == limit
+        return raised and any(f"descriptor limit {limit}" in x for x in lines) == warned
+
+    assert in_child(said, 30) == 0
+
+
+def test_a_reload_names_where_each_running_value_comes_from_now():
+    """Origins followed only the live keys whose value changed: a file that stopped
+    naming a key (its value the default's) still showed as its source, and a file that
+    began naming one at its running value still showed the default."""
+    async def scenario():
+        server = _FakeDaemon(inflight=0, stop_timeout_ms=300)
+        life = Lifecycle(server, {"max_lease_ms": "file a", "max_tenants": "default",
+                                  "pool_size": "file a", "log_level": "default"},
+                         notifier=Notifier(None))
+        new = msgspec.structs.replace(server.config, pool_size=server.config.pool_size * 2,
+                                      log_level=server.config.log_level)
+        code, _ = life.apply(new, {"max_lease_ms": "default", "max_tenants": "file b",
+                                   "pool_size": "file b", "log_level": "env"})
+        return code, life.origins
+
+    code, origins = asyncio.run(scenario())
+    assert code == m.Code.OK
+    assert origins == {"max_lease_ms": "default", "max_tenants": "file b",
+                       "pool_size": "file a",  # changed, not applied: still the old one's
+                       "log_level": "env"}
 
 
 def test_a_reload_signal_while_stopping_is_not_applied():
