@@ -30,6 +30,7 @@ from kvd.lifecycle import Lifecycle, ReloadFn
 from kvd.start_signals import ignore_stop_signals, serve_signal, take_start_signals
 from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
+from kvd.fd_guard import FdGuard
 from kvd.pool import Pool
 from kvd.service import Service
 from kvd.tiers.tiering import Tiering
@@ -84,6 +85,7 @@ class Server:
         self.engines: dict[str, TransferEngine] = {}
         self._bound: tuple[int, int] | None = None  # (device, inode) of the socket we bound
         self._rebind_error = ""  # why the removed socket could not be bound again
+        self.fd_guard = FdGuard(config.socket)  # hides it while descriptors run short
         self.loop_has_signals = False  # run() took SIGTERM/SIGINT over from start-up
         self._ticking: asyncio.TimerHandle | None = None
         try:
@@ -178,6 +180,7 @@ class Server:
                 os.unlink(self.config.socket)
         except FileNotFoundError:
             pass
+        self.fd_guard.unlink_hidden(self._bound)
 
     def _check_socket(self) -> None:
         """The socket file removed while serving (a cleanup of the directory, a careless
@@ -185,7 +188,8 @@ class Server:
         and runs without kvd. Bound again, as a removed journal is written again; a
         path another daemon has bound since is left to it. The old listener keeps its
         descriptor (one per removal): unbinding it would drop the connected clients."""
-        if self._bound is None or os.path.lexists(self.config.socket):
+        if self._bound is None or self.fd_guard.hidden \
+                or os.path.lexists(self.config.socket):
             self._rebind_error = ""
             return
         try:
@@ -357,7 +361,10 @@ class Server:
                                      "this connection is not the one that said Hello")
             if isinstance(msg, m.Transfer):  # the data path: straight to its owner
                 return service.transfers.handle(identity, msg)
-            peer = Peer.of(frame) if isinstance(msg, m.Hello) else UNKNOWN_PEER
+            peer = UNKNOWN_PEER
+            if isinstance(msg, m.Hello):  # a new connection: one descriptor more
+                self.fd_guard.check(self._bound)
+                peer = Peer.of(frame)
             return service.handle(identity, peer, msg)
         except Exception as e:  # noqa: BLE001 - no input may crash the daemon
             log.exception("internal error on %s", type(msg).__name__)
@@ -424,6 +431,7 @@ class Server:
 
     def _tick(self) -> None:
         try:
+            self.fd_guard.check(self._bound)
             self._check_socket()
             self.service.tick()
         except Exception:  # noqa: BLE001 - expiry and cleanup must go on ticking
