@@ -367,22 +367,26 @@ class Service:
         if self.transfers.stalled:  # a hit's load would wait out its deadline
             self.counters.stalled_lookups += 1
             return m.LookupOk(msg.req, 0, b"", 0, 0)
-        if self.index.leased_by.get(client.id, 0) + len(msg.keys) > self.config.max_leased_blocks:
+        room = self.config.max_leased_blocks - self.index.leased_by.get(client.id, 0)
+        if room <= 0:
             raise KvdError(f"lease quota of {self.config.max_leased_blocks} blocks reached; "
                            "release leases first", m.Code.BUSY)
+        # The hit run is leased, so it ends where the quota does: a longer request gets
+        # the hits that fit (its tail is computed), not a refusal.
+        keys = msg.keys if len(msg.keys) <= room else msg.keys[:room]
         # Hits are always leased (1 ms at least): a load names the lease, and one whose
         # lease is gone is refused, as its slots may hold other blocks by then.
         lease_s = min(max(msg.lease_ms, 1), self.config.max_lease_ms) / 1000
         hits, slots, lease, pending = self.index.lookup(
-            tenant, msg.keys, owner=client.id, depth=msg.depth, now=self.clock(),
+            tenant, keys, owner=client.id, depth=msg.depth, now=self.clock(),
             lease_s=lease_s)
         tokens = tenant.block_tokens
         self.counters.lookup_tokens += len(msg.keys) * tokens
         self.counters.hit_tokens += hits * tokens
         reply = m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)
-        if self.tiering is not None and hits + pending < len(msg.keys):
+        if self.tiering is not None and hits + pending < len(keys):
             identity = client.identity
-            return self.tiering.lookup(tenant, msg.keys, msg.depth, reply,
+            return self.tiering.lookup(tenant, keys, msg.depth, reply,
                                        lambda r: self.send(identity, r))
         return reply
 

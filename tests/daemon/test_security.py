@@ -13,6 +13,7 @@ import pytest
 
 from kvd_client import RemoteError
 from kvd_proto import messages as m
+from kvd_proto.ids import unpack_u32
 from tests.daemon.test_integration import allocate, keys, lookup, scheduler
 from tests.daemon.workers import Spec, Worker
 from tests.waiting import wait_for
@@ -188,9 +189,31 @@ def test_quota_on_pending_stores(daemon_factory):
         with pytest.raises(RemoteError) as e:
             s.request(m.Allocate(s.next_req(), keys(2, "x")))
         assert e.value.code == m.Code.BUSY
-        with pytest.raises(RemoteError) as e:
-            s.request(m.Lookup(s.next_req(), keys(4)))
-        assert e.value.code == m.Code.BUSY
+    finally:
+        worker.close()
+        s.close()
+
+
+def test_quota_on_leased_blocks(daemon_factory):
+    """A Lookup of more keys than the quota was refused BUSY ("release leases first")
+    with no lease held, so with max_leased_blocks set a long prompt never hit: the hit
+    run now ends where the quota does."""
+    d = daemon_factory(env={"KVD_MAX_LEASED_BLOCKS": "3"})
+    spec = Spec(d.socket, pages=(4096,))
+    s, worker = scheduler(d, spec), Worker(spec)
+    try:
+        assert worker.store(1, range(5), allocate(s, keys(5)))[1] == 0
+        assert s.request(m.Lookup(s.next_req(), keys(20, "miss"))).hits == 0
+        first = s.request(m.Lookup(s.next_req(), keys(5)))
+        assert first.hits == 3 and len(unpack_u32(first.slots)) == 3
+        with pytest.raises(RemoteError) as e:  # three held: none left
+            s.request(m.Lookup(s.next_req(), keys(1)))
+        assert e.value.code == m.Code.BUSY and "release leases" in e.value.message
+        s.request(m.Release(s.next_req(), first.lease))
+        again = s.request(m.Lookup(s.next_req(), keys(2)))
+        assert again.hits == 2
+        assert s.request(m.Lookup(s.next_req(), keys(5))).hits == 1  # what is left
+        assert d.status()["blocks"]["pinned"] == 2  # key 0 under both leases
     finally:
         worker.close()
         s.close()
