@@ -54,6 +54,7 @@ FLOOD_EXPIRY_S = 0.1
 # lines a second to the engine's stderr); the others are counted.
 WARN_EVERY_S = 10.0
 MAX_PID = 1 << 22  # Linux's pid_max at most: a larger pid in a HelloOk is not a process
+CLOCK_SLACK_NS = 50_000_000  # a HelloOk's clock may read this far outside the round trip
 
 
 @dataclass
@@ -132,6 +133,7 @@ class IOLoop:
         self.ping_req = 0
         self.ping_sent = 0.0
         self.hello_sent = False
+        self.hello_sent_ns = 0  # CLOCK_MONOTONIC when it went out (the HelloOk's must match)
         self.hello_poll = 10  # twice the next wait for the Hello to go out, in ms
         self.greeted = False  # the daemon answered this socket's Hello
         self.why_down = ""  # why the last connection ended or could not be made
@@ -310,6 +312,7 @@ class IOLoop:
 
     def send_hello(self) -> None:
         # With IMMEDIATE the send fails until the pipe exists: retried from the loop.
+        self.hello_sent_ns = time.monotonic_ns()
         self.hello_sent = self.raw_send(
             m.Hello(self.handshake_req, m.PROTOCOL_VERSION, os.getpid(), self.c.name))
         self.c._handshaking = self.hello_sent
@@ -469,6 +472,15 @@ class IOLoop:
             if not 0 <= reply.daemon_pid <= MAX_PID:  # (-1 would let anyone ptrace us)
                 return self.refused(f"bad HelloOk (pid {reply.daemon_pid})",
                                     f"kvd's HelloOk names pid {reply.daemon_pid}, no process")
+            if reply.monotonic_ns and not (self.hello_sent_ns - CLOCK_SLACK_NS
+                                           <= reply.monotonic_ns
+                                           <= time.monotonic_ns() + CLOCK_SLACK_NS):
+                # Read between this Hello's send and now on one clock: it is another one.
+                off = (reply.monotonic_ns - self.hello_sent_ns) / 1e9
+                return self.refused("kvd's clock differs", (
+                    f"kvd's CLOCK_MONOTONIC is about {off:+.0f} s off this process's "
+                    "(another time namespace?): the deadlines of its transfers would "
+                    "mean other times there; running without kvd"))
             self.greeted = True
             if c.instance and c.instance != reply.instance:
                 c.stats.reconnects += 1

@@ -294,7 +294,8 @@ class Service:
         if self.on_client is not None:
             self.on_client(client)
         return m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), self.instance, client.id,
-                         peer.pid)  # 0 when the kernel did not say: the client cannot tell
+                         peer.pid,  # 0 when the kernel did not say: the client cannot tell
+                         time.monotonic_ns())
 
     def _register(self, client: Client, msg: m.Register) -> m.Reply:
         fp = msg.fingerprint

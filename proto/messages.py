@@ -81,6 +81,10 @@ class HelloOk(_Msg, tag="hello_ok"):
     # The client's pid as the daemon sees it: equal to the client's own pid exactly when
     # both share a PID namespace, so ``daemon_pid`` names the daemon for the client too.
     peer_pid: int = 0
+    # The daemon's CLOCK_MONOTONIC as it answered (0: not said). Transfer deadlines are
+    # on that clock: a client in another time namespace reads it offset, and must not
+    # send them (the daemon would copy past them, or expire every one).
+    monotonic_ns: int = 0
 
 
 class Fingerprint(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -711,3 +711,32 @@ def test_a_reply_larger_than_any_kvd_sends_is_not_taken(tmp_path):
         c.close()
         stop.set()
         t.join(5)
+
+
+_PROBE = textwrap.dedent("""
+    import sys
+    from kvd_client import Connection
+    c = Connection(sys.argv[1], timeout=2)
+    print("UP" if c.wait_up(5) else "DOWN", flush=True)
+    c.close()
+""")
+
+
+def test_a_client_on_another_monotonic_clock_runs_without_kvd(daemon):
+    """Transfer deadlines are CLOCK_MONOTONIC times, which a process in another time
+    namespace reads offset: ahead, the daemon copied into an engine's blocks after it
+    had given up on the load and reused them; behind, every Transfer ended EXPIRED. The
+    HelloOk says the daemon's clock; a client whose round trip does not bracket it
+    stays down (and fails open) instead."""
+    if subprocess.run(["unshare", "--time", "--fork", "true"], capture_output=True,
+                      check=False).returncode != 0:
+        pytest.skip("no time namespaces here (unshare --time needs CAP_SYS_ADMIN)")
+    behind = int(min(time.monotonic() / 2, 20_000))  # (a clock cannot go below 0)
+    for offset, up in ((0, True), (100_000, False), (-behind, False)):
+        if offset == -behind and behind < 2:
+            continue
+        r = subprocess.run(["unshare", "--time", "--fork", f"--monotonic={offset}",
+                            sys.executable, "-c", _PROBE, daemon.socket],
+                           capture_output=True, text=True, timeout=60, check=False)
+        assert r.stdout.strip() == ("UP" if up else "DOWN"), (offset, r.stdout, r.stderr)
+        assert ("CLOCK_MONOTONIC is about" in r.stderr) != up, r.stderr
