@@ -15,23 +15,29 @@ flood of connections that never say Hello, faster than a tick, can still outrun 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import resource
+import stat
 
 log = logging.getLogger("kvd.server")
 
 MIN_LIMIT = 64  # below, no headroom is worth keeping (the start warns of the limit)
 
 
+EXACT_EVERY = 8  # ticks between exact counts while fewer than half are in use
+
+
 def lowest_free_fd(limit: int) -> int:
     """The lowest free descriptor: every one below it is in use (the kernel hands out
-    the lowest), so at least that many are; ``limit`` when none is free."""
+    the lowest), so at least that many are (a lower bound: closed ones leave holes);
+    ``limit`` when none is free."""
     try:
-        fd = os.dup(0)
+        fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno == errno.EMFILE:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
             return limit
         raise
     os.close(fd)
@@ -51,12 +57,15 @@ class FdGuard:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        head, name = os.path.split(path)
-        self.hidden_path = os.path.join(head, f".{name}.{os.getpid()}.full")
+        head, self._name = os.path.split(path)
+        self._dir = head or "."
+        self.hidden_path = os.path.join(self._dir, f".{self._name}.{os.getpid()}.full")
         self.hidden = False
+        self._ticks = 0
+        self._said = ""  # the last hiding failure logged (each reason once)
 
     @staticmethod
-    def _marks() -> tuple[int, int, int] | None:
+    def marks() -> tuple[int, int, int] | None:
         """(limit, hide at, show again below) descriptors; None when too few to guard."""
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if limit == resource.RLIM_INFINITY or limit < MIN_LIMIT:
@@ -64,19 +73,32 @@ class FdGuard:
         headroom = max(limit // 8, 16)
         return limit, limit - headroom, limit - 2 * headroom
 
-    def check(self, bound: tuple[int, int] | None) -> None:
-        marks = self._marks()
+    def check(self, bound: tuple[int, int] | None, tick: bool = False) -> None:
+        """At each Hello (a cheap lower bound) and each tick (an exact count, every
+        ``EXACT_EVERY`` ticks while well below the limit: it lists every descriptor).
+        Never raises: the guard must not stop the housekeeping or a Hello."""
+        try:
+            self._check(bound, tick)
+        except Exception:  # noqa: BLE001
+            log.exception("descriptor guard failed")
+
+    def _check(self, bound: tuple[int, int] | None, tick: bool) -> None:
+        marks = self.marks()
         if bound is None or marks is None:
             return
         limit, high, low = marks
-        if not self.hidden:
-            used = lowest_free_fd(limit)
-            if used >= high:
-                self._hide(bound, used, limit, low)
-        else:  # holes below make the cheap probe read low: count exactly
-            used = fds_in_use(limit)
-            if used < low:
+        if self.hidden:  # holes below make the cheap probe read low: count exactly
+            if tick and (used := fds_in_use(limit)) < low:
                 self._show(bound, used, limit)
+            return
+        used = lowest_free_fd(limit)
+        if used < high and tick:
+            self._ticks += 1
+            if self._ticks >= EXACT_EVERY or used >= limit // 2:
+                self._ticks = 0
+                used = fds_in_use(limit)
+        if used >= high:
+            self._hide(bound, used, limit, low)
 
     def _hide(self, bound: tuple[int, int], used: int, limit: int, low: int) -> None:
         try:
@@ -84,12 +106,16 @@ class FdGuard:
             if (st.st_dev, st.st_ino) != bound:  # not this daemon's socket any more
                 return
             os.rename(self.path, self.hidden_path)
-        except OSError as e:
-            log.error("%d of %d descriptors in use, and the socket %s cannot be hidden "
-                      "(%s): a connection finding none left would end the daemon",
-                      used, limit, self.path, e.strerror)
+        except FileNotFoundError:  # removed: the tick binds it again (then hides it)
             return
-        self.hidden = True
+        except OSError as e:
+            if e.strerror != self._said:
+                log.error("%d of %d descriptors in use, and the socket %s cannot be "
+                          "hidden (%s): a connection finding none left would end the "
+                          "daemon", used, limit, self.path, e.strerror)
+            self._said = e.strerror or ""
+            return
+        self.hidden, self._said = True, ""
         log.error("%d of %d descriptors in use: the socket %s is hidden until fewer than "
                   "%d are (new clients run without kvd; connected ones go on). Raise "
                   "LimitNOFILE, or find who holds the connections: kvdctl --socket %s "
@@ -98,12 +124,13 @@ class FdGuard:
     def _show(self, bound: tuple[int, int], used: int, limit: int) -> None:
         try:
             st = os.stat(self.hidden_path)
-            if (st.st_dev, st.st_ino) == bound:
-                os.link(self.hidden_path, self.path)
+            if (st.st_dev, st.st_ino) != bound:  # not ours: nothing to show; bound again
+                raise FileNotFoundError
+            os.link(self.hidden_path, self.path)
         except FileExistsError:  # a file there since (another daemon's socket): left
             log.error("the socket %s was taken while hidden: this daemon keeps its "
                       "connected clients only", self.path)
-        except FileNotFoundError:  # the hidden name removed: bound again by the tick
+        except FileNotFoundError:  # the hidden name removed: the tick binds it again
             pass
         except OSError as e:
             log.error("cannot show the socket %s again: %s", self.path, e.strerror)
@@ -121,3 +148,25 @@ class FdGuard:
                 os.unlink(self.hidden_path)
         except OSError:
             pass
+
+    def sweep(self) -> None:
+        """Hidden names a daemon killed while hiding left (their pid is gone)."""
+        prefix, uid = f".{self._name}.", os.getuid()
+        try:
+            names = [n for n in os.listdir(self._dir)
+                     if n.startswith(prefix) and n.endswith(".full")]
+        except OSError:
+            return
+        for name in names:
+            pid = name[len(prefix):-len(".full")]
+            path = os.path.join(self._dir, name)
+            try:
+                st = os.lstat(path)
+                if not (pid.isdigit() and stat.S_ISSOCK(st.st_mode) and st.st_uid == uid):
+                    continue
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            except OSError:
+                continue

@@ -16,6 +16,7 @@ import fcntl
 import logging
 import mmap
 import os
+import resource
 import stat
 
 import numpy as np
@@ -172,7 +173,9 @@ class Pool:
                 raise ConfigError(
                     f"cannot map pool file {path} ({size} bytes): {e.strerror}"
                     + (" (the process's address-space limit, ulimit -v / LimitAS, "
-                       "is below the pool's size)" if e.errno == errno.ENOMEM else "")
+                       "is below what it needs with the pool)" if e.errno == errno.ENOMEM
+                       and resource.getrlimit(resource.RLIMIT_AS)[0]
+                       != resource.RLIM_INFINITY else "")
                 ) from None
         except (OSError, ConfigError) as e:
             if made:  # made by this start, and empty: nothing of anyone's is lost

@@ -227,6 +227,7 @@ class Server:
             raise ConfigError(f"cannot bind {path}: {e}") from None
         st = os.stat(path)
         self._bound = (st.st_dev, st.st_ino)
+        self.fd_guard.sweep()  # names a daemon killed while hiding its socket left
         os.chmod(path, self.config.socket_mode)
         if self.config.socket_group:
             import grp
@@ -431,7 +432,7 @@ class Server:
 
     def _tick(self) -> None:
         try:
-            self.fd_guard.check(self._bound)
+            self.fd_guard.check(self._bound, tick=True)
             self._check_socket()
             self.service.tick()
         except Exception:  # noqa: BLE001 - expiry and cleanup must go on ticking

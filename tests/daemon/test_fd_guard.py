@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import time
 
 import zmq
 
+from kvd.fd_guard import FdGuard, fds_in_use
 from kvd_client import Connection
 from kvd_proto import messages as m
-from tests.waiting import wait_for
+from tests.waiting import in_child, wait_for
 
 LIMIT = 128  # the guard hides the socket at 112 descriptors in use, shows it below 96
 
@@ -69,3 +71,53 @@ def test_connections_that_would_take_the_last_descriptors_find_no_socket(daemon)
         for sock in clients:
             sock.close(linger=0)
         ctx.term()
+
+
+def test_a_shown_socket_is_hidden_again_in_time_despite_holes(tmp_path):
+    """The Hello probe (the lowest free descriptor) reads low while closed connections
+    left holes below newer ones: after a show, the socket was hidden again only at 124
+    of 128 descriptors, where a few more accepts abort the daemon. The tick counts."""
+    path = str(tmp_path / "kvd.sock")
+
+    def rehidden_in_time() -> bool:
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        st = os.stat(path)
+        bound = (st.st_dev, st.st_ino)
+        guard = FdGuard(path)
+        conns: list[int] = []
+        while not guard.hidden:  # connections, each with its Hello
+            conns.append(os.open("/dev/null", os.O_RDONLY))
+            guard.check(bound)
+        conns += [os.open("/dev/null", os.O_RDONLY) for _ in range(12)]  # on their way
+        for fd in conns[:40]:  # early clients leave
+            os.close(fd)
+        del conns[:40]
+        guard.check(bound, tick=True)
+        if guard.hidden or not os.path.exists(path):
+            return False
+        while not guard.hidden:  # new clients fill the holes; a tick per client
+            conns.append(os.open("/dev/null", os.O_RDONLY))
+            guard.check(bound)
+            guard.check(bound, tick=True)
+        return fds_in_use(LIMIT) <= LIMIT - 8 and not os.path.exists(path)
+
+    assert in_child(rehidden_in_time, 30) == 0
+
+
+def test_hidden_names_of_daemons_gone_are_swept(tmp_path):
+    path = str(tmp_path / "kvd.sock")
+    gone = tmp_path / ".kvd.sock.4194999.full"  # above any pid_max: no such process
+    alive = tmp_path / f".kvd.sock.{os.getppid()}.full"
+    keep = []
+    for name in (gone, alive):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(name))
+        keep.append(s)
+    (tmp_path / ".kvd.sock.4194998.full").write_text("not a socket")
+    FdGuard(path).sweep()
+    assert {p.name for p in tmp_path.iterdir()} == {".kvd.sock.4194998.full", alive.name}
+    for s in keep:
+        s.close()
