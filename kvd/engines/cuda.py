@@ -174,7 +174,7 @@ class CudaEngine(TransferEngine):
                 if isinstance(e, RequestError):
                     raise
                 if is_sticky(e):
-                    self._lose(dev, e)
+                    self._mark_lost(dev, e)  # (the lock is held: _lose would wait on it)
                     raise self._lost_error(dev) from e
                 if opened:  # the handles were fine: the daemon's own streams were not
                     raise TransferError(f"cannot create the copy streams for the client's "
@@ -247,9 +247,13 @@ class CudaEngine(TransferEngine):
         done for. Its clients' jobs fail at once from now on and new ones are refused,
         until kvd restarts (a new process gets a new context)."""
         with self._lock:
-            if dev.lost:
-                return
-            dev.lost = str(error)
+            self._mark_lost(dev, error)
+
+    def _mark_lost(self, dev: Device, error: Exception) -> None:
+        """``_lose`` with the lock held."""
+        if dev.lost:
+            return
+        dev.lost = str(error)
         log.error("GPU %s: its CUDA context is unusable (%s): copies with it fail until kvd "
                   "restarts (systemctl restart kvd; the other GPUs and host clients go on)",
                   format_uuid(dev.uuid), error)

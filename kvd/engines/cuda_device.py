@@ -262,7 +262,10 @@ class Watchdog:
             with self._cv:
                 while not self._stopped and (
                         not self._heap or self._heap[0][0] > time.monotonic()):
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    # (bounded: a deadline years away overflows the wait's time_t, and
+                    # the thread died of it, leaving every later deadline unwatched)
+                    wait = (min(self._heap[0][0] - time.monotonic(), 3600.0)
+                            if self._heap else None)
                     self._cv.wait(wait)
                 if self._stopped:
                     return

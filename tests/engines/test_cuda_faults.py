@@ -238,3 +238,50 @@ def test_a_sticky_error_met_polling_a_workers_event_loses_the_gpu(fake):
     assert_lost(fake, rig)
     gate.set()
     rig.engine.close()
+
+
+def test_a_sticky_error_first_met_by_an_attach_loses_the_gpu_without_a_deadlock(fake):
+    """attach holds the engine's lock, and losing the GPU took it again: a Register
+    that was the first call to meet a sticky error (vLLM restarted after an ECC fault)
+    froze the daemon's loop and every copy thread until it was killed."""
+    rig = Rig(fake)
+    fake.poison(0)
+    fake.set_current_context(None)
+    out: list[BaseException] = []
+
+    def attach() -> None:
+        try:
+            rig.engine.attach(9, 4243, rig.reg)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            out.append(e)
+
+    t = threading.Thread(target=attach, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "attach deadlocked"
+    assert isinstance(out[0], TransferError) and out[0].code == m.Code.TRANSFER_FAILED
+    assert "restart kvd" in str(out[0])
+    assert rig.engine.stats()["lost_gpus"] == 1
+    t0 = time.monotonic()
+    rig.engine.close(timeout=2)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_deadline_years_away_leaves_the_deadline_watch_running(fake, monkeypatch):
+    """A far deadline (deadline_ns near 2**64, as some clients say "none") overflowed
+    the watchdog's wait and ended its thread: a store waiting for a worker event that
+    never completes was no longer ended at its capped deadline."""
+    monkeypatch.setattr(cuda_module, "EVENT_WAIT_MAX_S", 0.5)
+    died: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: died.append(str(a.exc_value)))
+    rig = Rig(fake)
+    rig.engine.submit(rig.job(m.Direction.LOAD, [0], [0], event=1,
+                              deadline=(2**64 - 1) / 1e9))
+    assert rig.wait_done(1) and rig.err(1) is None
+    gate, ev = rig.forward()  # the worker's forward pass never ends
+    rig.engine.submit(rig.job(m.Direction.STORE, [1], [1], event=2, cuda_event=ev,
+                              deadline=time.monotonic() + 0.3))
+    assert rig.wait_done(2, 5)
+    assert rig.err(2).code == m.Code.EXPIRED and died == []
+    gate.set()
+    rig.engine.close()
