@@ -97,8 +97,8 @@ class PoolPinner:
             try:
                 api = self._resolve()
                 self._ctx = api.retain_primary_context(self._device)
-                api.set_current_context(self._ctx)
                 self._api = api  # from here on, release() owes a context release
+                api.set_current_context(self._ctx)
             except CudaUnavailable as e:
                 self._end("unavailable", str(e))
                 return

@@ -285,3 +285,19 @@ def test_a_deadline_years_away_leaves_the_deadline_watch_running(fake, monkeypat
     assert rig.err(2).code == m.Code.EXPIRED and died == []
     gate.set()
     rig.engine.close()
+
+
+def test_a_pinner_whose_context_cannot_be_made_current_still_releases_it(fake, monkeypatch):
+    """The primary context was retained, then cuCtxSetCurrent failed: release() did not
+    know it owed a release, and the retain stayed for the process's life."""
+    def refuse(ctx):
+        raise CudaError("cuCtxSetCurrent", 201, "CUDA_ERROR_INVALID_CONTEXT")
+
+    monkeypatch.setattr(fake, "set_current_context", refuse)
+    pool = np.zeros(1 << 16, np.uint8)
+    pinner = PoolPinner(pool.ctypes.data, pool.nbytes, fake)
+    pinner.start()
+    assert pinner.wait(5)
+    assert pinner.status()["state"] == "failed"
+    pinner.release()
+    assert len(fake.of("retain_primary_context")) == len(fake.of("release_primary_context")) == 1
