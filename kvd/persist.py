@@ -108,9 +108,14 @@ class Persistence:
         rec = self.recovery
         by_id: dict[int, Tenant] = {}
         for t in rp.tenants.values():
-            by_id[t.id] = tenants.restore(t.id, t.digest, model=t.model, tp_size=t.tp_size,
-                                          rank_page_bytes=tuple(t.rank_page_bytes),
-                                          block_tokens=t.block_tokens)
+            try:  # a record kvd never writes (another writer's): its blocks stay out
+                by_id[t.id] = tenants.restore(t.id, t.digest, model=t.model,
+                                              tp_size=t.tp_size,
+                                              rank_page_bytes=tuple(t.rank_page_bytes),
+                                              block_tokens=t.block_tokens)
+            except (ValueError, OverflowError, TypeError) as e:
+                log.warning("journal %s names tenant %r that kvd cannot make (%s): its "
+                            "blocks are not restored", self.path, t.id, e)
         alloc = index.allocator
         of_tenant: dict[int, list] = {}  # one pass, not one per tenant (up to 1,024)
         for b in rp.blocks.values():

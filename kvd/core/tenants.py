@@ -14,6 +14,10 @@ from operator import itemgetter
 from typing import Any
 
 
+# Ids are 4 bytes on the wire and in keys; the next new one follows the largest.
+MAX_TENANT_ID = 1 << 31
+
+
 class TenantError(ValueError):
     """A fingerprint that cannot be served (bad sizes, too many tenants)."""
 
@@ -131,6 +135,8 @@ class Tenants:
     def restore(self, tenant_id: int, digest: str, *, model: str, tp_size: int,
                 rank_page_bytes: tuple[int, ...], block_tokens: int = 0) -> Tenant:
         """Recreate a tenant with the id it had before a restart."""
+        if not 0 <= tenant_id < MAX_TENANT_ID:  # (ids count up from 1: a journal's are)
+            raise TenantError(f"tenant id {tenant_id} out of range")
         t = Tenant(tenant_id, digest, model, tp_size, tuple(rank_page_bytes),
                    block_tokens=block_tokens)
         old = self._by_digest.get(digest)

@@ -18,7 +18,7 @@ from kvd.core.index import NO_SLOT, Index
 from kvd.core.policies import make_policy
 from kvd.core.tenants import Tenants
 from kvd.errors import ConfigError
-from kvd.journal import Commit, Header, read_records, replay
+from kvd.journal import Commit, Header, Journal, TenantRec, read_records, replay
 from kvd.persist import Persistence
 from tests.waiting import in_child
 
@@ -136,3 +136,26 @@ def test_one_daemon_per_journal(tmp_path):
     p.close()
     assert not os.path.exists(path + ".lock")  # a clean stop leaves no lock file
     Persistence(path, H).close()  # free again once the first is gone
+
+
+@pytest.mark.parametrize("bad", [
+    {"tp_size": 0}, {"rank_page_bytes": []}, {"rank_page_bytes": [-4096]},
+    {"id": -1}, {"id": 1 << 40}, {"id": (1 << 32) - 1},
+])
+def test_a_journal_tenant_kvd_cannot_make_is_left_out_and_the_rest_restored(tmp_path, bad):
+    """A well-framed tenant record with fields kvd never writes (another writer's) made
+    every start fail (a crash loop until the journal was removed), or, with the largest
+    id, every new tenant's Register after it."""
+    path = str(tmp_path / "pool.journal")
+    fields = {"id": 2, "digest": "bad", "model": "m", "tp_size": 1,
+              "rank_page_bytes": [BLOCK], **bad}
+    j = Journal(path)
+    j.append([H, TenantRec(**fields), Commit(fields["id"], b"k", 0, 0, [7])])
+    j.close()
+    ix, tenants, t, p = setup(path)
+    assert tenants.get(fields["id"]) is None
+    fresh = tenants.get_or_create("other", model="m2", tp_size=1, rank_page_bytes=(BLOCK,))
+    assert 0 < fresh.id < 1 << 31 and fresh.prefix  # a new tenant still gets an id
+    store(ix, t, p, [b"x" * 8])
+    assert ix.ready_blocks == 1
+    p.close()
