@@ -19,36 +19,47 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import resource
 import stat
 
 log = logging.getLogger("kvd.server")
 
 MIN_LIMIT = 64  # below, no headroom is worth keeping (the start warns of the limit)
-
-
-EXACT_EVERY = 8  # ticks between exact counts while fewer than half are in use
+EXACT_EVERY = 4  # ticks between exact counts (a listing of every descriptor: ~9 ms at
+# 15,000) while the cheap probe reads below the show mark, and while hidden
+_HIDDEN = re.compile(r"([0-9]{1,20})-([0-9]{1,10})")  # pid namespace, pid
 
 
 def lowest_free_fd(limit: int) -> int:
     """The lowest free descriptor: every one below it is in use (the kernel hands out
     the lowest), so at least that many are (a lower bound: closed ones leave holes);
-    ``limit`` when none is free."""
+    ``limit`` when none is free, 0 when it cannot tell."""
     try:
         fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno in (errno.EMFILE, errno.ENFILE):
-            return limit
-        raise
+        return limit if e.errno in (errno.EMFILE, errno.ENFILE) else 0
     os.close(fd)
     return fd
 
 
 def fds_in_use(limit: int) -> int:
+    """Exactly; the cheap lower bound where /proc cannot be listed (a sandbox)."""
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # (the listing's own)
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            return limit
+        return lowest_free_fd(limit)
+
+
+def _pid_namespace() -> int:
+    """Names of hidden sockets carry it: a pid is only known alive in its namespace
+    (two containers sharing the socket's directory, both daemons pid 1)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        return limit
+        return 0
 
 
 class FdGuard:
@@ -59,10 +70,12 @@ class FdGuard:
         self.path = path
         head, self._name = os.path.split(path)
         self._dir = head or "."
-        self.hidden_path = os.path.join(self._dir, f".{self._name}.{os.getpid()}.full")
+        self._ns = _pid_namespace()
+        self.hidden_path = os.path.join(self._dir,
+                                        f".{self._name}.{self._ns}-{os.getpid()}.full")
         self.hidden = False
         self._ticks = 0
-        self._said = ""  # the last hiding failure logged (each reason once)
+        self._said = ""  # the last failure logged (each reason once)
 
     @staticmethod
     def marks() -> tuple[int, int, int] | None:
@@ -74,8 +87,8 @@ class FdGuard:
         return limit, limit - headroom, limit - 2 * headroom
 
     def check(self, bound: tuple[int, int] | None, tick: bool = False) -> None:
-        """At each Hello (a cheap lower bound) and each tick (an exact count, every
-        ``EXACT_EVERY`` ticks while well below the limit: it lists every descriptor).
+        """At each Hello (a cheap lower bound) and each tick (an exact count every
+        ``EXACT_EVERY`` ticks, and every tick once the probe reads past the show mark).
         Never raises: the guard must not stop the housekeeping or a Hello."""
         try:
             self._check(bound, tick)
@@ -83,22 +96,36 @@ class FdGuard:
             log.exception("descriptor guard failed")
 
     def _check(self, bound: tuple[int, int] | None, tick: bool) -> None:
+        if bound is None:
+            return
         marks = self.marks()
-        if bound is None or marks is None:
+        if marks is None:  # a limit lowered below any headroom: no guard, so shown
+            if self.hidden and tick:
+                limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                self._show(bound, fds_in_use(limit), limit)
             return
         limit, high, low = marks
         if self.hidden:  # holes below make the cheap probe read low: count exactly
-            if tick and (used := fds_in_use(limit)) < low:
-                self._show(bound, used, limit)
+            if tick:
+                self._ticks += 1
+                if self._ticks >= EXACT_EVERY:
+                    self._ticks = 0
+                    if (used := fds_in_use(limit)) < low:
+                        self._show(bound, used, limit)
             return
         used = lowest_free_fd(limit)
         if used < high and tick:
             self._ticks += 1
-            if self._ticks >= EXACT_EVERY or used >= limit // 2:
+            if self._ticks >= EXACT_EVERY or used >= low:
                 self._ticks = 0
                 used = fds_in_use(limit)
         if used >= high:
             self._hide(bound, used, limit, low)
+
+    def _say(self, why: str, message: str, *args: object) -> None:
+        if why != self._said:
+            log.error(message, *args)
+        self._said = why
 
     def _hide(self, bound: tuple[int, int], used: int, limit: int, low: int) -> None:
         try:
@@ -109,13 +136,11 @@ class FdGuard:
         except FileNotFoundError:  # removed: the tick binds it again (then hides it)
             return
         except OSError as e:
-            if e.strerror != self._said:
-                log.error("%d of %d descriptors in use, and the socket %s cannot be "
-                          "hidden (%s): a connection finding none left would end the "
-                          "daemon", used, limit, self.path, e.strerror)
-            self._said = e.strerror or ""
+            self._say(f"hide: {e.strerror}", "%d of %d descriptors in use, and the socket "
+                      "%s cannot be hidden (%s): a connection finding none left would end "
+                      "the daemon", used, limit, self.path, e.strerror)
             return
-        self.hidden, self._said = True, ""
+        self.hidden, self._said, self._ticks = True, "", 0
         log.error("%d of %d descriptors in use: the socket %s is hidden until fewer than "
                   "%d are (new clients run without kvd; connected ones go on). Raise "
                   "LimitNOFILE, or find who holds the connections: kvdctl --socket %s "
@@ -127,19 +152,27 @@ class FdGuard:
             if (st.st_dev, st.st_ino) != bound:  # not ours: nothing to show; bound again
                 raise FileNotFoundError
             os.link(self.hidden_path, self.path)
-        except FileExistsError:  # a file there since (another daemon's socket): left
-            log.error("the socket %s was taken while hidden: this daemon keeps its "
-                      "connected clients only", self.path)
+        except FileExistsError:
+            try:
+                st = os.stat(self.path)
+                ours = (st.st_dev, st.st_ino) == bound  # linked back by hand: shown
+            except OSError:
+                ours = False
+            if not ours:  # another file (another daemon's socket): stay where we are
+                self._say("show: taken", "the socket %s was taken while hidden: this "
+                          "daemon is reachable at %s only", self.path, self.hidden_path)
+                return
         except FileNotFoundError:  # the hidden name removed: the tick binds it again
             pass
         except OSError as e:
-            log.error("cannot show the socket %s again: %s", self.path, e.strerror)
+            self._say(f"show: {e.strerror}", "cannot show the socket %s again: %s",
+                      self.path, e.strerror)
             return
         else:
             log.warning("%d of %d descriptors in use: the socket %s accepts clients "
                         "again", used, limit, self.path)
         self.unlink_hidden(bound)
-        self.hidden = False
+        self.hidden, self._said = False, ""
 
     def unlink_hidden(self, bound: tuple[int, int] | None) -> None:
         try:
@@ -150,7 +183,8 @@ class FdGuard:
             pass
 
     def sweep(self) -> None:
-        """Hidden names a daemon killed while hiding left (their pid is gone)."""
+        """Hidden names that daemons of this pid namespace, killed while hiding, left
+        (their pid is gone); other namespaces' are theirs to sweep."""
         prefix, uid = f".{self._name}.", os.getuid()
         try:
             names = [n for n in os.listdir(self._dir)
@@ -158,15 +192,17 @@ class FdGuard:
         except OSError:
             return
         for name in names:
-            pid = name[len(prefix):-len(".full")]
+            m = _HIDDEN.fullmatch(name[len(prefix):-len(".full")])
+            if m is None or int(m.group(1)) != self._ns or not self._ns:
+                continue
             path = os.path.join(self._dir, name)
             try:
                 st = os.lstat(path)
-                if not (pid.isdigit() and stat.S_ISSOCK(st.st_mode) and st.st_uid == uid):
+                if not (stat.S_ISSOCK(st.st_mode) and st.st_uid == uid):
                     continue
-                os.kill(int(pid), 0)
+                os.kill(int(m.group(2)), 0)
             except ProcessLookupError:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-            except OSError:
+            except (OSError, ValueError, OverflowError):
                 continue

@@ -227,7 +227,6 @@ class Server:
             raise ConfigError(f"cannot bind {path}: {e}") from None
         st = os.stat(path)
         self._bound = (st.st_dev, st.st_ino)
-        self.fd_guard.sweep()  # names a daemon killed while hiding its socket left
         os.chmod(path, self.config.socket_mode)
         if self.config.socket_group:
             import grp
@@ -238,6 +237,7 @@ class Server:
                 raise ConfigError(f"socket_group: no group {self.config.socket_group!r}") from None
             os.chown(path, -1, gid)
             os.chown(directory, -1, gid)
+        self.fd_guard.sweep()  # names a daemon killed while hiding its socket left
 
     def _start_cuda(self) -> None:
         from kvd_client.cudart import CudaUnavailable, CudaVersionMismatch, load
