@@ -376,8 +376,13 @@ def test_answers_a_newer_daemon_gives_end_what_they_answer_at_once(tmp_path):
     msg.req, m.PROTOCOL_VERSION + 1, os.getpid(), "fake", 1, 0)),
     # Taken as a finished handshake: up without the version and pid checks, and with
     # no daemon run to tell a slot's run by.
-    lambda msg: m.encode(m.Registered(msg.req, 1, 4096, 4096))],
-    ids=["error", "version", "registered"])
+    lambda msg: m.encode(m.Registered(msg.req, 1, 4096, 4096)),
+    # A daemon on another CLOCK_MONOTONIC (ahead, behind): deadlines would not hold.
+    lambda msg: m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), "fake", 1, 0,
+                                   time.monotonic_ns() + 10**12)),
+    lambda msg: m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), "fake", 1, 0,
+                                   time.monotonic_ns() - 10**12 or -1))],
+    ids=["error", "version", "registered", "clock-ahead", "clock-behind"])
 def test_a_handshake_a_newer_daemon_refuses_or_speaks_another_version_is_a_refusal(tmp_path,
                                                                                   hello):
     """An undecodable refusal left the client handshaking until its timeout, then
