@@ -381,6 +381,7 @@ class Service:
         hits, slots, lease, pending = self.index.lookup(
             tenant, keys, owner=client.id, depth=msg.depth, now=self.clock(),
             lease_s=lease_s)
+        self.index.counters.lookup_keys += len(msg.keys) - len(keys)  # asked, missed
         tokens = tenant.block_tokens
         self.counters.lookup_tokens += len(msg.keys) * tokens
         self.counters.hit_tokens += hits * tokens

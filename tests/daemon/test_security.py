@@ -214,6 +214,10 @@ def test_quota_on_leased_blocks(daemon_factory):
         assert again.hits == 2
         assert s.request(m.Lookup(s.next_req(), keys(5))).hits == 1  # what is left
         assert d.status()["blocks"]["pinned"] == 2  # key 0 under both leases
+        # Every key asked counts as asked (the status's and metrics' hit ratio), the
+        # ones past the quota as missed.
+        counters = d.status()["counters"]
+        assert counters["lookup_keys"] == 20 + 5 + 2 + 5  # (the refused one is none)
     finally:
         worker.close()
         s.close()
