@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import resource
+import socket
 import stat
 
 log = logging.getLogger("kvd.server")
@@ -51,6 +52,19 @@ def fds_in_use(limit: int) -> int:
         if e.errno in (errno.EMFILE, errno.ENFILE):
             return limit
         return lowest_free_fd(limit)
+
+
+def listening(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:  # refused (stale), or gone: free to take
+        return False
+    finally:
+        probe.close()
 
 
 def _pid_namespace() -> int:
@@ -122,6 +136,10 @@ class FdGuard:
         if used >= high:
             self._hide(bound, used, limit, low)
 
+    def recount(self) -> None:
+        """Count exactly at the next tick (a socket was bound again meanwhile)."""
+        self._ticks = EXACT_EVERY
+
     def _say(self, why: str, message: str, *args: object) -> None:
         if why != self._said:
             log.error(message, *args)
@@ -134,6 +152,7 @@ class FdGuard:
                 return
             os.rename(self.path, self.hidden_path)
         except FileNotFoundError:  # removed: the tick binds it again (then hides it)
+            self.recount()
             return
         except OSError as e:
             self._say(f"hide: {e.strerror}", "%d of %d descriptors in use, and the socket "
@@ -156,8 +175,13 @@ class FdGuard:
             try:
                 st = os.stat(self.path)
                 ours = (st.st_dev, st.st_ino) == bound  # linked back by hand: shown
+                stale = not ours and stat.S_ISSOCK(st.st_mode) and not listening(self.path)
             except OSError:
-                ours = False
+                ours = stale = False
+            if stale:  # a socket nobody listens on (a daemon that died there): ours again
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+                return self._show(bound, used, limit)
             if not ours:  # another file (another daemon's socket): stay where we are
                 self._say("show: taken", "the socket %s was taken while hidden: this "
                           "daemon is reachable at %s only", self.path, self.hidden_path)

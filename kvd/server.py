@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import stat
 import time
 
@@ -30,7 +29,7 @@ from kvd.lifecycle import Lifecycle, ReloadFn
 from kvd.start_signals import ignore_stop_signals, serve_signal, take_start_signals
 from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
-from kvd.fd_guard import FdGuard
+from kvd.fd_guard import FdGuard, listening
 from kvd.pool import Pool
 from kvd.service import Service
 from kvd.tiers.tiering import Tiering
@@ -74,7 +73,7 @@ class Server:
         self.stopping = asyncio.Event()
         # systemd, metrics, SIGHUP and the graceful stop live in kvd.lifecycle.
         self.lifecycle = Lifecycle(self, origins, reload_config)
-        if _listening(config.socket):  # before the pool: a refusal leaves nothing behind
+        if listening(config.socket):  # before the pool: a refusal leaves nothing behind
             raise ConfigError(f"another kvd is listening at {config.socket}; stop it or "
                               "give this one another socket")
         Access(config)  # allowed_groups that name no group: refused before anything exists
@@ -201,6 +200,7 @@ class Server:
             self._rebind_error = str(e)
             return
         self._rebind_error = ""
+        self.fd_guard.recount()  # bound with no count: the next tick counts
         log.warning("socket %s was removed while serving: bound again (clients "
                     "connected before were not affected)", self.config.socket)
 
@@ -216,7 +216,7 @@ class Server:
             if not stat.S_ISSOCK(os.stat(path).st_mode):
                 raise ConfigError(f"{path} exists and is not a socket")
             # Asked again: another kvd may have bound it while this one made its pool.
-            if _listening(path):
+            if listening(path):
                 raise ConfigError(f"another kvd is listening at {path} (it started while "
                                   "this one prepared its pool); stop it or give this one "
                                   "another socket")
@@ -518,16 +518,3 @@ async def serve(config: Config, origins: dict[str, str] | None = None,
         if not server.loop_has_signals:
             server._undo_start()
         raise
-
-
-def _listening(path: str) -> bool:
-    """Whether a process accepts connections on the unix socket at ``path``."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:  # refused (stale), or gone: free to take
-        return False
-    finally:
-        probe.close()

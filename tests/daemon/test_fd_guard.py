@@ -19,6 +19,13 @@ from tests.waiting import in_child, wait_for
 LIMIT = 128  # the guard hides the socket at 112 descriptors in use, shows it below 96
 
 
+def _fresh_descriptors() -> None:
+    """In a forked child: only 0-2 open, the limit LIMIT (the counts below exact)."""
+    os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    resource.setrlimit(resource.RLIMIT_NOFILE,
+                       (LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 def _hello(ctx: zmq.Context, path: str, i: int) -> zmq.Socket | None:
     """A raw client that said Hello and was answered; None when nobody answered."""
     sock = ctx.socket(zmq.DEALER)
@@ -80,8 +87,7 @@ def test_a_shown_socket_is_hidden_again_in_time_despite_holes(tmp_path):
     path = str(tmp_path / "kvd.sock")
 
     def rehidden_in_time() -> bool:
-        resource.setrlimit(resource.RLIMIT_NOFILE,
-                           (LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        _fresh_descriptors()
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(path)
         st = os.stat(path)
@@ -103,7 +109,8 @@ def test_a_shown_socket_is_hidden_again_in_time_despite_holes(tmp_path):
             conns.append(os.open("/dev/null", os.O_RDONLY))
             guard.check(bound)
             guard.check(bound, tick=True)
-        return fds_in_use(LIMIT) <= LIMIT - 8 and not os.path.exists(path)
+        # Hidden at the tick that passed the mark: past the show mark it counts each one.
+        return fds_in_use(LIMIT) <= LIMIT - 16 + 1 and not os.path.exists(path)
 
     assert in_child(rehidden_in_time, 30) == 0
 
@@ -150,3 +157,90 @@ def test_a_guard_without_proc_does_not_hide_for_good(tmp_path, monkeypatch):
         guard.check((st.st_dev, st.st_ino), tick=True)
     assert not guard.hidden and os.path.exists(path)
     listener.close()
+
+
+def test_a_path_taken_while_hidden_is_left_to_its_owner_unless_nobody_listens(tmp_path):
+    """Another daemon bound the path while this one hid: it stays hidden (reachable at
+    its hidden name). Once that one died leaving its socket file, the file is stale:
+    this daemon's socket takes the path back (it stayed hidden for good)."""
+    path = str(tmp_path / "kvd.sock")
+
+    def taken_back() -> bool:
+        _fresh_descriptors()
+        mine = socket.socket(socket.AF_UNIX)
+        mine.bind(path)
+        mine.listen()
+        st = os.stat(path)
+        bound = (st.st_dev, st.st_ino)
+        guard = FdGuard(path)
+        held = []
+        while not guard.hidden:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+            guard.check(bound)
+        other = socket.socket(socket.AF_UNIX)
+        other.bind(path)
+        other.listen()
+        for fd in held:
+            os.close(fd)
+        for _ in range(2 * EXACT_EVERY):
+            guard.check(bound, tick=True)
+        if not (guard.hidden and os.path.exists(guard.hidden_path)):
+            return False
+        other.close()  # its file stays: nobody listens on it
+        for _ in range(2 * EXACT_EVERY):
+            guard.check(bound, tick=True)
+        st = os.stat(path)
+        return (not guard.hidden and (st.st_dev, st.st_ino) == bound
+                and not os.path.exists(guard.hidden_path))
+
+    assert in_child(taken_back, 30) == 0
+
+
+def test_a_limit_lowered_below_the_guard_shows_the_socket(tmp_path):
+    path = str(tmp_path / "kvd.sock")
+
+    def shown() -> bool:
+        _fresh_descriptors()
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        st = os.stat(path)
+        bound = (st.st_dev, st.st_ino)
+        guard = FdGuard(path)
+        held = []
+        while not guard.hidden:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+            guard.check(bound)
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (32, hard))  # no guard below 64
+        guard.check(bound, tick=True)
+        return not guard.hidden and os.path.exists(path)
+
+    assert in_child(shown, 30) == 0
+
+
+def test_past_the_show_mark_every_tick_counts(tmp_path):
+    """Between the marks a tick's count decides: every tick counts there, not one in
+    EXACT_EVERY (a burst between two counts would pass the hide mark unseen)."""
+    from kvd import fd_guard
+
+    path = str(tmp_path / "kvd.sock")
+
+    def counted() -> bool:
+        _fresh_descriptors()
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        st = os.stat(path)
+        guard = FdGuard(path)
+        held = []
+        while fds_in_use(LIMIT) < LIMIT - 28:  # past the show mark (96), below 112
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        calls = []
+        real = fd_guard.fds_in_use
+        fd_guard.fds_in_use = lambda limit: calls.append(1) or real(limit)
+        for _ in range(EXACT_EVERY - 1):
+            guard.check((st.st_dev, st.st_ino), tick=True)
+        return len(calls) == EXACT_EVERY - 1 and not guard.hidden
+
+    assert in_child(counted, 30) == 0
