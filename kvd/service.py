@@ -367,6 +367,8 @@ class Service:
         self._check_keys(msg.keys, msg.depth)
         if self.transfers.stalled:  # a hit's load would wait out its deadline
             self.counters.stalled_lookups += 1
+            self.index.counters.lookup_keys += len(msg.keys)  # asked, and missed
+            self.counters.lookup_tokens += len(msg.keys) * tenant.block_tokens
             return m.LookupOk(msg.req, 0, b"", 0, 0)
         room = self.config.max_leased_blocks - self.index.leased_by.get(client.id, 0)
         if room <= 0:
