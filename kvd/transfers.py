@@ -24,7 +24,7 @@ import numpy as np
 
 from kvd.config import Config
 from kvd.core.index import PENDING, READY, Index
-from kvd.core.states import NO_SLOT
+from kvd.core.states import FREE, NO_SLOT
 from kvd.core.tenants import Tenant
 from kvd.core.tickets import TicketError, Tickets
 from kvd.engines.base import ChecksumSpec, CopyJob, TransferEngine, expired
@@ -285,7 +285,12 @@ class Transfers:
             lease = 0 if store else msg.lease
             if lease and not self.index.has_lease(lease):  # said before its slots' state:
                 raise _lease_gone(lease)  # they may be free or hold others by now
-            slots = own_slots(self.index, tenant, msg.slots, PENDING if store else READY)
+            try:
+                slots = own_slots(self.index, tenant, msg.slots, PENDING if store else READY)
+            except BadIds:
+                if store:
+                    self._check_ended(msg.slots, msg.gens)
+                raise
             if store:
                 self._check_gens(slots, msg.gens)
             if lease and not self.index.leased(lease, slots):
@@ -349,6 +354,26 @@ class Transfers:
             raise KvdError(f"slot {int(slots[np.argmax(moved)])} was given up and handed out "
                            "again since its Allocate: the store would land in another "
                            "block", m.Code.EXPIRED)
+
+    def _check_ended(self, packed: bytes, packed_gens: bytes) -> None:
+        """A store refused for its slots' state: EXPIRED when its gens show that their
+        allocation ended meanwhile (its pending time passed or it was given up: the slot
+        is free, or was handed out again, to any tenant), as ``_check_gens`` says when
+        the same tenant has it again; BAD_IDS ("fix the caller") only otherwise."""
+        try:
+            slots = unpack_u32(packed).astype(np.int64)
+            gens = unpack_u32(packed_gens)
+        except ValueError:
+            return
+        if not len(slots) or len(gens) != len(slots) \
+                or int(slots.max()) >= self.index.allocator.max_slots:
+            return
+        ended = (self.index.gen[slots] != gens) | ((self.index.state[slots] == FREE)
+                                                   & (gens != 0))  # (0: never handed out)
+        if ended.any():
+            raise KvdError(f"slot {int(slots[np.argmax(ended)])}'s allocation ended before "
+                           "this store (its pending time passed, or it was given up)",
+                           m.Code.EXPIRED)
 
     def _job(self, client: Client, tenant: Tenant, msg: m.Transfer, blocks: np.ndarray,
              slots: np.ndarray) -> CopyJob:

@@ -217,6 +217,25 @@ def test_a_late_store_into_a_slot_handed_out_again_is_refused_by_its_gens(servic
     assert own is None  # accepted: its Done comes when the copy ends
 
 
+def test_a_late_store_into_a_slot_given_up_meanwhile_is_expired_not_bad_ids(service):
+    """Its allocation ended (aborted here; its pending time passing is the same) and
+    the slot is free: BAD_IDS said "fix the caller" where the slot handed out again said
+    EXPIRED, for the same late store. A slot never handed out is still BAD_IDS."""
+    peer, _mem = registered(service, b"w", seed=9)
+    got = service.handle(b"w", peer, m.Allocate(3, [b"k1"]))
+    assert isinstance(got, m.Allocated)
+    assert isinstance(service.handle(b"w", peer, m.Abort(4, got.slots)), m.Ok)
+    late = service.handle(b"w", peer, m.Transfer(5, 1, m.Direction.STORE, pack_u32([0]),
+                                                 got.slots, gens=got.gens))
+    assert isinstance(late, m.Done) and late.code == m.Code.EXPIRED, late
+    assert "allocation ended" in late.message
+    never = int(np.frombuffer(got.slots, dtype=np.uint32)[0]) + 1
+    stray = service.handle(b"w", peer, m.Transfer(6, 2, m.Direction.STORE, pack_u32([0]),
+                                                  pack_u32([never]), gens=pack_u32([0])))
+    assert isinstance(stray, m.Done) and stray.code == m.Code.BAD_IDS, stray
+    assert service.index.pending_blocks == 0
+
+
 def test_transfers_released_by_their_allocate_each_get_one_done_despite_a_bug(service,
                                                                              monkeypatch):
     """Stores that overtook their Allocate wait for it; when it comes, each one ends
