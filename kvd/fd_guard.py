@@ -61,8 +61,10 @@ def listening(path: str) -> bool:
     try:
         probe.connect(path)
         return True
-    except OSError:  # refused (stale), or gone: free to take
+    except (ConnectionRefusedError, FileNotFoundError):  # stale, or gone: free to take
         return False
+    except OSError:  # a full backlog (EAGAIN), a timeout, no permission: someone's
+        return True
     finally:
         probe.close()
 
@@ -165,7 +167,8 @@ class FdGuard:
                   "LimitNOFILE, or find who holds the connections: kvdctl --socket %s "
                   "clients", used, limit, self.path, low, self.hidden_path)
 
-    def _show(self, bound: tuple[int, int], used: int, limit: int) -> None:
+    def _show(self, bound: tuple[int, int], used: int, limit: int,
+              retake: bool = True) -> None:
         try:
             st = os.stat(self.hidden_path)
             if (st.st_dev, st.st_ino) != bound:  # not ours: nothing to show; bound again
@@ -178,10 +181,16 @@ class FdGuard:
                 stale = not ours and stat.S_ISSOCK(st.st_mode) and not listening(self.path)
             except OSError:
                 ours = stale = False
-            if stale:  # a socket nobody listens on (a daemon that died there): ours again
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)
-                return self._show(bound, used, limit)
+            if stale and retake:  # nobody listens (a daemon that died there): ours again
+                try:
+                    now = os.stat(self.path)
+                    if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # the one probed
+                        os.unlink(self.path)
+                except OSError as e:
+                    self._say(f"show: stale {e.strerror}", "cannot remove the stale socket "
+                              "%s: %s", self.path, e.strerror)
+                    return
+                return self._show(bound, used, limit, retake=False)
             if not ours:  # another file (another daemon's socket): stay where we are
                 self._say("show: taken", "the socket %s was taken while hidden: this "
                           "daemon is reachable at %s only", self.path, self.hidden_path)

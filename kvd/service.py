@@ -367,6 +367,7 @@ class Service:
         self._check_keys(msg.keys, msg.depth)
         if self.transfers.stalled:  # a hit's load would wait out its deadline
             self.counters.stalled_lookups += 1
+            self.index.counters.lookups += 1
             self.index.counters.lookup_keys += len(msg.keys)  # asked, and missed
             self.counters.lookup_tokens += len(msg.keys) * tenant.block_tokens
             return m.LookupOk(msg.req, 0, b"", 0, 0)

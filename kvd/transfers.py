@@ -289,7 +289,7 @@ class Transfers:
                 slots = own_slots(self.index, tenant, msg.slots, PENDING if store else READY)
             except BadIds:
                 if store:
-                    self._check_ended(msg.slots, msg.gens)
+                    self._check_ended(tenant, msg.slots, msg.gens)
                 raise
             if store:
                 self._check_gens(slots, msg.gens)
@@ -355,21 +355,26 @@ class Transfers:
                            "again since its Allocate: the store would land in another "
                            "block", m.Code.EXPIRED)
 
-    def _check_ended(self, packed: bytes, packed_gens: bytes) -> None:
+    def _check_ended(self, tenant: Tenant, packed: bytes, packed_gens: bytes) -> None:
         """A store refused for its slots' state: EXPIRED when its gens show that their
         allocation ended meanwhile (its pending time passed or it was given up: the slot
-        is free, or was handed out again, to any tenant), as ``_check_gens`` says when
-        the same tenant has it again; BAD_IDS ("fix the caller") only otherwise."""
+        is free now, or this tenant's again), as ``_check_gens`` says when the tenant
+        has it pending again; BAD_IDS ("fix the caller") otherwise: gens never handed
+        out, and another tenant's slots, whose state this tenant must not learn."""
         try:
             slots = unpack_u32(packed).astype(np.int64)
             gens = unpack_u32(packed_gens)
         except ValueError:
             return
+        index = self.index
         if not len(slots) or len(gens) != len(slots) \
-                or int(slots.max()) >= self.index.allocator.max_slots:
+                or int(slots.max()) >= index.allocator.max_slots:
             return
-        ended = (self.index.gen[slots] != gens) | ((self.index.state[slots] == FREE)
-                                                   & (gens != 0))  # (0: never handed out)
+        gen, state = index.gen[slots], index.state[slots]
+        if ((gens == 0) | (gens > gen)).any() \
+                or ((state != FREE) & (index.tenant_of[slots] != tenant.id)).any():
+            return
+        ended = (gens < gen) | (state == FREE)
         if ended.any():
             raise KvdError(f"slot {int(slots[np.argmax(ended)])}'s allocation ended before "
                            "this store (its pending time passed, or it was given up)",

@@ -11,7 +11,8 @@ import time
 
 import zmq
 
-from kvd.fd_guard import EXACT_EVERY, FdGuard, fds_in_use
+from kvd import fd_guard as fd_guard_module
+from kvd.fd_guard import EXACT_EVERY, FdGuard, fds_in_use, listening
 from kvd_client import Connection
 from kvd_proto import messages as m
 from tests.waiting import in_child, wait_for
@@ -244,3 +245,56 @@ def test_past_the_show_mark_every_tick_counts(tmp_path):
         return len(calls) == EXACT_EVERY - 1 and not guard.hidden
 
     assert in_child(counted, 30) == 0
+
+
+def test_a_listener_with_a_full_backlog_is_alive(tmp_path):
+    """The probe's connect fails at once with EAGAIN on a listener whose queue is full
+    (a daemon stopped or flooded): it was taken for stale, and its socket removed."""
+    path = str(tmp_path / "busy.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(0)
+    queued = []
+    for _ in range(8):  # never accepted: the queue fills
+        s = socket.socket(socket.AF_UNIX)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except OSError:
+            pass
+        queued.append(s)
+    assert listening(path)
+    listener.close()
+    assert not listening(path)  # refused: stale
+    for s in queued:
+        s.close()
+
+
+def test_a_stale_socket_that_cannot_be_removed_is_tried_once(tmp_path, monkeypatch):
+    """Its unlink refused (a sticky directory, another owner): the take-back called
+    itself until RecursionError, a traceback at every count."""
+    path = str(tmp_path / "kvd.sock")
+    mine = socket.socket(socket.AF_UNIX)
+    mine.bind(path)
+    st = os.stat(path)
+    bound = (st.st_dev, st.st_ino)
+    guard = FdGuard(path)
+    os.rename(path, guard.hidden_path)
+    guard.hidden = True
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.close()  # stale: nobody listens
+    real = os.unlink
+
+    def refuse(p, *a, **k):
+        if str(p) == path:
+            raise PermissionError(1, "Operation not permitted")
+        return real(p, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    probes = []
+    monkeypatch.setattr(fd_guard_module, "listening",
+                        lambda p: probes.append(p) or False)
+    guard._show(bound, 10, LIMIT)
+    assert guard.hidden and len(probes) == 1 and os.path.exists(guard.hidden_path)
+    mine.close()

@@ -229,11 +229,29 @@ def test_a_late_store_into_a_slot_given_up_meanwhile_is_expired_not_bad_ids(serv
                                                  got.slots, gens=got.gens))
     assert isinstance(late, m.Done) and late.code == m.Code.EXPIRED, late
     assert "allocation ended" in late.message
+    # Slots or gens the daemon never handed out are the caller's bug: BAD_IDS.
     never = int(np.frombuffer(got.slots, dtype=np.uint32)[0]) + 1
-    stray = service.handle(b"w", peer, m.Transfer(6, 2, m.Direction.STORE, pack_u32([0]),
-                                                  pack_u32([never]), gens=pack_u32([0])))
-    assert isinstance(stray, m.Done) and stray.code == m.Code.BAD_IDS, stray
-    assert service.index.pending_blocks == 0
+    for i, gens in enumerate((pack_u32([0]), got.gens, pack_u32([12345]))):
+        stray = service.handle(b"w", peer, m.Transfer(6 + i, 2 + i, m.Direction.STORE,
+                                                      pack_u32([0]), pack_u32([never]),
+                                                      gens=gens))
+        assert isinstance(stray, m.Done) and stray.code == m.Code.BAD_IDS, (i, stray)
+    # Another tenant's slot: BAD_IDS whatever the gens (its state is not this one's to
+    # learn), as before.
+    spec = Spec("unused", model="another", seed=10)
+    mem = make_memory(spec)
+    other = hello(service, b"o")
+    assert isinstance(service.handle(b"o", other, m.Register(
+        2, fingerprint(spec), 0, host_regions(mem))), m.Registered)
+    theirs = service.handle(b"o", other, m.Allocate(3, [b"k9"]))
+    slot = int(np.frombuffer(theirs.slots, dtype=np.uint32)[0])
+    gen = int(np.frombuffer(theirs.gens, dtype=np.uint32)[0])
+    for i, g in enumerate(range(max(gen - 1, 1), gen + 2)):
+        probe = service.handle(b"w", peer, m.Transfer(20 + i, 20 + i, m.Direction.STORE,
+                                                      pack_u32([0]), pack_u32([slot]),
+                                                      gens=pack_u32([g])))
+        assert isinstance(probe, m.Done) and probe.code == m.Code.BAD_IDS, (g, probe)
+    assert service.index.pending_blocks == 1  # the other tenant's, untouched
 
 
 def test_transfers_released_by_their_allocate_each_get_one_done_despite_a_bug(service,
