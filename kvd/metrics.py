@@ -18,6 +18,7 @@ tests and several daemons in one process do not collide.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import threading
@@ -38,6 +39,7 @@ DEFAULT_PORT = 9727
 # trickling connections cannot pile up threads in the daemon.
 HTTP_TIMEOUT_S = 10.0
 HTTP_CONNECTIONS = 16
+ACCEPT_PAUSE_S = 0.1  # after an accept that found no descriptor left
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -351,6 +353,14 @@ class _Server(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def get_request(self) -> Any:
+        try:
+            return super().get_request()
+        except OSError as e:  # (socketserver drops the connection attempt quietly)
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # the listener stays readable:
+                time.sleep(ACCEPT_PAUSE_S)  # without a pause this thread spins a core
+            raise
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or went away: socketserver printed a traceback

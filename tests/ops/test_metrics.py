@@ -210,3 +210,43 @@ def test_snapshot_falls_back_when_the_loop_does_not_run():
     assert snap.get() == ({}, float("inf"))
     loop.close()  # and a closed one (the daemon exiting) does not raise either
     assert snap.get() == ({}, float("inf"))
+
+
+def test_an_endpoint_out_of_descriptors_does_not_spin():
+    """An accept that found no descriptor left (event subscribers held them all) left
+    the listener readable, and the metrics thread retried at once: a second core
+    spinning as long as descriptors stayed short."""
+    import os
+    import resource
+    import time
+
+    from kvd.metrics import _serve
+    from tests.waiting import in_child
+
+    def calm() -> bool:
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        server = _serve("127.0.0.1", 0, CollectorRegistry())
+        port = server.server_address[1]
+        go_r, go_w = os.pipe()
+        if os.fork() == 0:  # the scraper, with descriptors of its own
+            os.read(go_r, 1)
+            held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+            time.sleep(3)
+            del held
+            os._exit(0)
+        filler = []
+        while True:
+            try:
+                filler.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        os.write(go_w, b"x")
+        time.sleep(0.3)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(1.5)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return cpu < 0.5
+
+    assert in_child(calm, 30) == 0
