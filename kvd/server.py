@@ -424,6 +424,7 @@ class Server:
     def _subscriptions(self) -> None:
         assert self.kv_events is not None
         self.kv_events.publisher.drain_subscriptions()
+        self.fd_guard.check(self._bound)  # a subscriber over TCP holds a descriptor too
 
     def _service_replay(self) -> None:
         assert self.kv_events is not None
