@@ -27,6 +27,15 @@ def _fresh_descriptors() -> None:
                        (LIMIT, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 
+def _bound(path: str) -> tuple[socket.socket, tuple[int, int], FdGuard]:
+    """A listening unix socket at ``path``, its (device, inode), and a guard for it."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    st = os.stat(path)
+    return listener, (st.st_dev, st.st_ino), FdGuard(path)
+
+
 def _hello(ctx: zmq.Context, path: str, i: int) -> zmq.Socket | None:
     """A raw client that said Hello and was answered; None when nobody answered."""
     sock = ctx.socket(zmq.DEALER)
@@ -89,11 +98,7 @@ def test_a_shown_socket_is_hidden_again_in_time_despite_holes(tmp_path):
 
     def rehidden_in_time() -> bool:
         _fresh_descriptors()
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(path)
-        st = os.stat(path)
-        bound = (st.st_dev, st.st_ino)
-        guard = FdGuard(path)
+        listener, bound, guard = _bound(path)
         conns: list[int] = []
         while not guard.hidden:  # connections, each with its Hello
             conns.append(os.open("/dev/null", os.O_RDONLY))
@@ -142,9 +147,7 @@ def test_a_guard_without_proc_does_not_hide_for_good(tmp_path, monkeypatch):
     """/proc unreadable (a sandbox): the exact count read as every descriptor in use,
     and the socket was hidden at the first count and never shown again."""
     path = str(tmp_path / "kvd.sock")
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    st = os.stat(path)
+    listener, bound, guard = _bound(path)
     real = os.listdir
 
     def no_proc(where="."):
@@ -153,9 +156,8 @@ def test_a_guard_without_proc_does_not_hide_for_good(tmp_path, monkeypatch):
         return real(where)
 
     monkeypatch.setattr(os, "listdir", no_proc)
-    guard = FdGuard(path)
     for _ in range(3 * EXACT_EVERY):
-        guard.check((st.st_dev, st.st_ino), tick=True)
+        guard.check(bound, tick=True)
     assert not guard.hidden and os.path.exists(path)
     listener.close()
 
@@ -168,12 +170,7 @@ def test_a_path_taken_while_hidden_is_left_to_its_owner_unless_nobody_listens(tm
 
     def taken_back() -> bool:
         _fresh_descriptors()
-        mine = socket.socket(socket.AF_UNIX)
-        mine.bind(path)
-        mine.listen()
-        st = os.stat(path)
-        bound = (st.st_dev, st.st_ino)
-        guard = FdGuard(path)
+        mine, bound, guard = _bound(path)
         held = []
         while not guard.hidden:
             held.append(os.open("/dev/null", os.O_RDONLY))
@@ -203,11 +200,7 @@ def test_a_limit_lowered_below_the_guard_shows_the_socket(tmp_path):
     def shown() -> bool:
         _fresh_descriptors()
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(path)
-        st = os.stat(path)
-        bound = (st.st_dev, st.st_ino)
-        guard = FdGuard(path)
+        listener, bound, guard = _bound(path)
         held = []
         while not guard.hidden:
             held.append(os.open("/dev/null", os.O_RDONLY))
@@ -230,10 +223,7 @@ def test_past_the_show_mark_every_tick_counts(tmp_path):
 
     def counted() -> bool:
         _fresh_descriptors()
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(path)
-        st = os.stat(path)
-        guard = FdGuard(path)
+        listener, bound, guard = _bound(path)
         held = []
         while fds_in_use(LIMIT) < LIMIT - 28:  # past the show mark (96), below 112
             held.append(os.open("/dev/null", os.O_RDONLY))
@@ -241,7 +231,7 @@ def test_past_the_show_mark_every_tick_counts(tmp_path):
         real = fd_guard.fds_in_use
         fd_guard.fds_in_use = lambda limit: calls.append(1) or real(limit)
         for _ in range(EXACT_EVERY - 1):
-            guard.check((st.st_dev, st.st_ino), tick=True)
+            guard.check(bound, tick=True)
         return len(calls) == EXACT_EVERY - 1 and not guard.hidden
 
     assert in_child(counted, 30) == 0
@@ -274,11 +264,7 @@ def test_a_stale_socket_that_cannot_be_removed_is_tried_once(tmp_path, monkeypat
     """Its unlink refused (a sticky directory, another owner): the take-back called
     itself until RecursionError, a traceback at every count."""
     path = str(tmp_path / "kvd.sock")
-    mine = socket.socket(socket.AF_UNIX)
-    mine.bind(path)
-    st = os.stat(path)
-    bound = (st.st_dev, st.st_ino)
-    guard = FdGuard(path)
+    mine, bound, guard = _bound(path)
     os.rename(path, guard.hidden_path)
     guard.hidden = True
     dead = socket.socket(socket.AF_UNIX)
