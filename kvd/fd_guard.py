@@ -61,10 +61,10 @@ def listening(path: str) -> bool:
     try:
         probe.connect(path)
         return True
-    except (ConnectionRefusedError, FileNotFoundError):  # stale, or gone: free to take
-        return False
-    except OSError:  # a full backlog (EAGAIN), a timeout, no permission: someone's
+    except (BlockingIOError, TimeoutError):  # a full backlog (EAGAIN), or slow: someone's
         return True
+    except OSError:  # refused (stale), gone, no socket on that path: free to take
+        return False
     finally:
         probe.close()
 
