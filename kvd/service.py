@@ -365,16 +365,20 @@ class Service:
 
     def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
         self._check_keys(msg.keys, msg.depth)
-        if self.transfers.stalled:  # a hit's load would wait out its deadline
-            self.counters.stalled_lookups += 1
-            self.index.counters.lookups += 1
-            self.index.counters.lookup_keys += len(msg.keys)  # asked, and missed
-            self.counters.lookup_tokens += len(msg.keys) * tenant.block_tokens
-            return m.LookupOk(msg.req, 0, b"", 0, 0)
+        stalled = self.transfers.stalled  # a hit's load would wait out its deadline
         room = self.config.max_leased_blocks - self.index.leased_by.get(client.id, 0)
-        if room <= 0:
+        if room <= 0 and not stalled:
             raise KvdError(f"lease quota of {self.config.max_leased_blocks} blocks reached; "
                            "release leases first", m.Code.BUSY)
+        # Every key asked counts, once, here (the hit ratio's denominator): the keys past
+        # the lease quota and all of a stalled lookup's are asked and missed.
+        counters, tokens = self.counters, tenant.block_tokens
+        counters.lookups += 1
+        counters.lookup_keys += len(msg.keys)
+        counters.lookup_tokens += len(msg.keys) * tokens
+        if stalled:
+            counters.stalled_lookups += 1
+            return m.LookupOk(msg.req, 0, b"", 0, 0)
         # The hit run is leased, so it ends where the quota does: a longer request gets
         # the hits that fit (its tail is computed), not a refusal.
         keys = msg.keys if len(msg.keys) <= room else msg.keys[:room]
@@ -384,10 +388,7 @@ class Service:
         hits, slots, lease, pending = self.index.lookup(
             tenant, keys, owner=client.id, depth=msg.depth, now=self.clock(),
             lease_s=lease_s)
-        self.index.counters.lookup_keys += len(msg.keys) - len(keys)  # asked, missed
-        tokens = tenant.block_tokens
-        self.counters.lookup_tokens += len(msg.keys) * tokens
-        self.counters.hit_tokens += hits * tokens
+        counters.hit_tokens += hits * tokens
         reply = m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)
         if self.tiering is not None and hits + pending < len(keys):
             identity = client.identity

@@ -75,7 +75,7 @@ def status_document(svc: Sources) -> dict:
         **svc.extra,
         "counters": {
             "requests": svc.counters.requests, "errors": svc.counters.errors,
-            "lookups": c.lookups, "lookup_keys": c.lookup_keys,
+            "lookups": svc.counters.lookups, "lookup_keys": svc.counters.lookup_keys,
             "hit_blocks": c.hit_blocks, "stored_blocks": c.stored_blocks,
             "stored_bytes": svc.counters.stored_bytes,
             "loaded_blocks": svc.counters.loaded_blocks,

@@ -98,6 +98,8 @@ class Counters:
     expired_transfers: int = 0
     unclaimed_blocks: int = 0  # slots of stores not every rank made, given back (tickets)
     corrupt_blocks: int = 0
+    lookups: int = 0  # Lookups answered (a BUSY refusal is an error, not a lookup)
+    lookup_keys: int = 0  # blocks they asked for, hit or not
     stalled_lookups: int = 0  # answered as misses while copies were overdue
     lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
     hit_tokens: int = 0

@@ -69,8 +69,6 @@ class _Pending:
 
 @dataclass
 class IndexCounters:
-    lookups: int = 0
-    lookup_keys: int = 0
     hit_blocks: int = 0
     stored_blocks: int = 0
     evicted_blocks: int = 0
@@ -194,8 +192,6 @@ class Index:
         The policy hears about the hits at the next ``flush`` (every mutating call
         flushes first), so the caller can answer before paying for it.
         """
-        self.counters.lookups += 1
-        self.counters.lookup_keys += len(keys)
         found = list(map(self._ready.get(tenant.id, {}).get, keys))
         try:
             hits = found.index(None)
