@@ -24,6 +24,8 @@ import resource
 import socket
 import stat
 
+from kvd.inode import Identity, identity, identity_of, unlink_if
+
 log = logging.getLogger("kvd.server")
 
 MIN_LIMIT = 64  # below, no headroom is worth keeping (the start warns of the limit)
@@ -102,7 +104,7 @@ class FdGuard:
         headroom = max(limit // 8, 16)
         return limit, limit - headroom, limit - 2 * headroom
 
-    def check(self, bound: tuple[int, int] | None, tick: bool = False) -> None:
+    def check(self, bound: Identity | None, tick: bool = False) -> None:
         """At each Hello (a cheap lower bound) and each tick (an exact count every
         ``EXACT_EVERY`` ticks, and every tick once the probe reads past the show mark).
         Never raises: the guard must not stop the housekeeping or a Hello."""
@@ -111,7 +113,7 @@ class FdGuard:
         except Exception:  # noqa: BLE001
             log.exception("descriptor guard failed")
 
-    def _check(self, bound: tuple[int, int] | None, tick: bool) -> None:
+    def _check(self, bound: Identity | None, tick: bool) -> None:
         if bound is None:
             return
         marks = self.marks()
@@ -147,19 +149,22 @@ class FdGuard:
             log.error(message, *args)
         self._said = why
 
-    def _hide(self, bound: tuple[int, int], used: int, limit: int, low: int) -> None:
+    def _hide(self, bound: Identity, used: int, limit: int, low: int) -> None:
         try:
-            st = os.stat(self.path)
-            if (st.st_dev, st.st_ino) != bound:  # not this daemon's socket any more
-                return
-            os.rename(self.path, self.hidden_path)
-        except FileNotFoundError:  # removed: the tick binds it again (then hides it)
-            self.recount()
-            return
+            ident = identity_of(self.path)
+            if ident == bound:
+                os.rename(self.path, self.hidden_path)
+        except FileNotFoundError:
+            ident = None
         except OSError as e:
             self._say(f"hide: {e.strerror}", "%d of %d descriptors in use, and the socket "
                       "%s cannot be hidden (%s): a connection finding none left would end "
                       "the daemon", used, limit, self.path, e.strerror)
+            return
+        if ident is None:  # removed: the tick binds it again (then hides it)
+            self.recount()
+            return
+        if ident != bound:  # not this daemon's socket any more
             return
         self.hidden, self._said, self._ticks = True, "", 0
         log.error("%d of %d descriptors in use: the socket %s is hidden until fewer than "
@@ -167,25 +172,22 @@ class FdGuard:
                   "LimitNOFILE, or find who holds the connections: kvdctl --socket %s "
                   "clients", used, limit, self.path, low, self.hidden_path)
 
-    def _show(self, bound: tuple[int, int], used: int, limit: int,
+    def _show(self, bound: Identity, used: int, limit: int,
               retake: bool = True) -> None:
         try:
-            st = os.stat(self.hidden_path)
-            if (st.st_dev, st.st_ino) != bound:  # not ours: nothing to show; bound again
-                raise FileNotFoundError
+            if identity_of(self.hidden_path) != bound:  # not ours: nothing to show; bound
+                raise FileNotFoundError  # again
             os.link(self.hidden_path, self.path)
         except FileExistsError:
             try:
                 st = os.stat(self.path)
-                ours = (st.st_dev, st.st_ino) == bound  # linked back by hand: shown
+                ours = identity(st) == bound  # linked back by hand: shown
                 stale = not ours and stat.S_ISSOCK(st.st_mode) and not listening(self.path)
             except OSError:
                 ours = stale = False
             if stale and retake:  # nobody listens (a daemon that died there): ours again
                 try:
-                    now = os.stat(self.path)
-                    if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # the one probed
-                        os.unlink(self.path)
+                    unlink_if(self.path, identity(st))  # the one probed, not a new one
                 except OSError as e:
                     self._say(f"show: stale {e.strerror}", "cannot remove the stale socket "
                               "%s: %s", self.path, e.strerror)
@@ -207,13 +209,9 @@ class FdGuard:
         self.unlink_hidden(bound)
         self.hidden, self._said = False, ""
 
-    def unlink_hidden(self, bound: tuple[int, int] | None) -> None:
-        try:
-            st = os.stat(self.hidden_path)
-            if (st.st_dev, st.st_ino) == bound:
-                os.unlink(self.hidden_path)
-        except OSError:
-            pass
+    def unlink_hidden(self, bound: Identity | None) -> None:
+        with contextlib.suppress(OSError):
+            unlink_if(self.hidden_path, bound)
 
     def sweep(self) -> None:
         """Hidden names that daemons of this pid namespace, killed while hiding, left

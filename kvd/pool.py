@@ -22,6 +22,7 @@ import stat
 import numpy as np
 
 from kvd.errors import ConfigError
+from kvd.inode import identity
 
 log = logging.getLogger("kvd.pool")
 MADV_POPULATE_WRITE = 23
@@ -99,7 +100,7 @@ def _open(path: str) -> tuple[int, str]:
         raise ConfigError(f"pool file {path} {why}: kvd leaves it alone; give pool_path "
                           "a path of its own")
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    if _identity(os.fstat(fd)) != _identity(st):  # replaced between the two calls
+    if identity(os.fstat(fd)) != identity(st):  # replaced between the two calls
         os.close(fd)
         raise ConfigError(f"pool file {path} was replaced while kvd opened it")
     return fd, ""
@@ -118,10 +119,6 @@ def _marked(fd: int) -> bool:
         return os.getxattr(fd, MARK) == b"1"
     except OSError:
         return False
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
 
 
 def _unlink(path: str) -> None:
@@ -242,7 +239,7 @@ class Pool:
         """Remove the pool's file, not another one the path leads to now (a link
         pointed elsewhere, or a file made there after this one was removed)."""
         try:
-            if _identity(os.stat(self.path)) == _identity(os.fstat(self._fd)):
+            if identity(os.stat(self.path)) == identity(os.fstat(self._fd)):
                 _unlink(os.path.realpath(self.path))
         except OSError:
             pass

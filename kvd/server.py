@@ -30,6 +30,7 @@ from kvd.start_signals import ignore_stop_signals, serve_signal, take_start_sign
 from kvd.pinning import PoolPinner
 from kvd.errors import ConfigError
 from kvd.fd_guard import FdGuard, listening
+from kvd.inode import Identity, identity, unlink_if
 from kvd.pool import Pool
 from kvd.service import Service
 from kvd.tiers.tiering import Tiering
@@ -82,7 +83,7 @@ class Server:
         take_start_signals()
         self.pinner: PoolPinner | None = None
         self.engines: dict[str, TransferEngine] = {}
-        self._bound: tuple[int, int] | None = None  # (device, inode) of the socket we bound
+        self._bound: Identity | None = None  # the socket file this daemon bound
         self._rebind_error = ""  # why the removed socket could not be bound again
         self.fd_guard = FdGuard(config.socket)  # hides it while descriptors run short
         self.loop_has_signals = False  # run() took SIGTERM/SIGINT over from start-up
@@ -173,12 +174,7 @@ class Server:
     def _unlink_socket(self) -> None:
         """Remove the socket file this daemon bound, and only it: once the path was
         removed and another daemon bound it, that one's clients must still find it."""
-        try:
-            st = os.stat(self.config.socket)
-            if (st.st_dev, st.st_ino) == self._bound:
-                os.unlink(self.config.socket)
-        except FileNotFoundError:
-            pass
+        unlink_if(self.config.socket, self._bound)
         self.fd_guard.unlink_hidden(self._bound)
 
     def _check_socket(self) -> None:
@@ -225,8 +221,7 @@ class Server:
             self.sock.bind(f"ipc://{path}")
         except zmq.ZMQError as e:
             raise ConfigError(f"cannot bind {path}: {e}") from None
-        st = os.stat(path)
-        self._bound = (st.st_dev, st.st_ino)
+        self._bound = identity(os.stat(path))
         os.chmod(path, self.config.socket_mode)
         if self.config.socket_group:
             import grp

@@ -13,6 +13,7 @@ import zmq
 
 from kvd import fd_guard as fd_guard_module
 from kvd.fd_guard import EXACT_EVERY, FdGuard, fds_in_use, listening
+from kvd.inode import identity_of, unlink_if
 from kvd_client import Connection
 from kvd_proto import messages as m
 from tests.waiting import in_child, wait_for
@@ -284,3 +285,18 @@ def test_a_stale_socket_that_cannot_be_removed_is_tried_once(tmp_path, monkeypat
     guard._show(bound, 10, LIMIT)
     assert guard.hidden and len(probes) == 1 and os.path.exists(guard.hidden_path)
     mine.close()
+
+
+def test_unlink_if_removes_only_the_file_it_was_given(tmp_path):
+    """The socket's removal at a stop, the hidden name's, and a stale socket's take-back
+    all go through it: a file put at the path since (another daemon's socket) stays."""
+    path = str(tmp_path / "kvd.sock")
+    (tmp_path / "kvd.sock").write_bytes(b"ours")
+    ours = identity_of(path)
+    (tmp_path / "new").write_bytes(b"theirs")  # made before ours goes: another inode
+    os.replace(tmp_path / "new", path)
+    assert ours is not None and identity_of(path) != ours
+    assert not unlink_if(path, ours) and os.path.exists(path)
+    assert not unlink_if(path, None) and os.path.exists(path)
+    assert unlink_if(path, identity_of(path)) and not os.path.exists(path)
+    assert identity_of(path) is None and not unlink_if(path, ours)
