@@ -8,6 +8,7 @@ came from; sizes accept suffixes (``512M``, ``4G``, ``1T``).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import stat
@@ -22,6 +23,8 @@ import msgspec
 from kvd.core.policies import policy_names
 from kvd.errors import ConfigError
 from kvd.tiers.disk_files import DATA_FILE, JOURNAL_FILE
+
+log = logging.getLogger("kvd.config")
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -372,4 +375,25 @@ def load(
             [origin[k] for k in named]
         where = f" (from {set_by[0]})" if set_by else ""
         raise ConfigError(f"invalid configuration: {e}{where}") from None
+    for problem in _hidden_problems(layers, merged):
+        log.warning("%s", problem)
     return cfg, origin
+
+
+def _hidden_problems(layers: list[tuple[str, dict[str, Any]]],
+                     merged: dict[str, Any]) -> list[str]:
+    """Values a higher source overrides that would be refused in their place: they
+    pass unseen today and stop the daemon the day that source goes (an Environment=
+    line or a flag dropped from the unit)."""
+    problems = []
+    for i, (source, values) in enumerate(layers):
+        above = {k for _, later in layers[i + 1:] for k in later}
+        for k in sorted(values.keys() & above):
+            if values[k] == merged[k]:
+                continue
+            try:
+                msgspec.convert({**merged, k: values[k]}, Config, strict=False)
+            except (msgspec.ValidationError, ValueError) as e:
+                problems.append(f"{source}: {k} = {values[k]!r} would be refused ({e}); "
+                                "a value set higher up hides it for now")
+    return problems

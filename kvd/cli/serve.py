@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     take_start_signals()  # a stop or reload before the daemon serves is not its death
     args = build_parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    setup_logging("warning")  # what reading the configuration warns of, in the daemon's format
     try:
         config, origins = load(args.config, flags=flags)
     except KvdError as e:

@@ -209,3 +209,30 @@ def test_a_config_file_that_is_no_regular_file_is_refused_at_once(tmp_path):
         with pytest.raises(ConfigError, match="not a regular file"):
             read_toml(path)
         assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize("line, key", [
+    ('max_lease_ms = "ten"', "max_lease_ms"),  # a type
+    ('policy = "lfu-typo"', "policy"),  # a check of its own
+    ('min_slot_bytes = "1G"', "min_slot_bytes"),  # a check against another key
+])
+def test_a_bad_value_hidden_by_a_higher_source_is_warned_of(tmp_path, caplog, line, key):
+    """It passed unseen, and stopped the daemon the day the environment variable or
+    flag that hid it went (a unit file edited): said at every read of the sources."""
+    f = tmp_path / "kvd.toml"
+    f.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=key):  # on its own: refused
+        load(str(f), {})
+    env = {"KVD_" + key.upper(): {"max_lease_ms": "100", "policy": "lru",
+                                  "min_slot_bytes": "8K"}[key]}
+    with caplog.at_level("WARNING", logger="kvd.config"):
+        cfg, origin = load(str(f), env)
+    assert origin[key] == "env"
+    warned = [r.getMessage() for r in caplog.records if r.name == "kvd.config"]
+    assert len(warned) == 1 and warned[0].startswith(f"file {f}: {key} = ")
+    assert "would be refused" in warned[0]
+    caplog.clear()
+    f.write_text(f"{key} = {Config().__getattribute__(key)!r}\n")  # a good value hidden
+    with caplog.at_level("WARNING", logger="kvd.config"):
+        load(str(f), env)
+    assert not [r for r in caplog.records if r.name == "kvd.config"]
