@@ -55,7 +55,8 @@ class Allocator:
         self._classes: dict[int, _SizeClass] = {}
         self.used_bytes = 0
         self.used_slots = 0
-        self._fitted = 0  # size classes when ``fit`` last ran
+        self._changes = 0  # size classes made or forgotten so far
+        self._fitted = 0  # ``_changes`` when ``fit`` last ran
 
     # ------------------------------------------------------------ classes
     def check_slot_bytes(self, slot_bytes: int) -> None:
@@ -76,6 +77,7 @@ class Allocator:
             self.check_slot_bytes(slot_bytes)
             per = min(self.extent_bytes // slot_bytes, self.slots_per_extent_max)
             sc = self._classes[slot_bytes] = _SizeClass(slot_bytes, per)
+            self._changes += 1
         return sc
 
     def free_slots(self, slot_bytes: int) -> int:
@@ -85,7 +87,8 @@ class Allocator:
 
     @property
     def size_classes(self) -> int:
-        """Size classes seen so far (never shrinks): with one, every slot has its size."""
+        """Size classes asked for and not forgotten since (one is when its last extent
+        is given back): with one, every slot has its size."""
         return len(self._classes)
 
     def per_extent(self, slot_bytes: int) -> int:
@@ -138,12 +141,13 @@ class Allocator:
 
     def fit(self, policy: EvictionPolicy, bound: int) -> None:
         """Size ``policy`` to ``blocks_when_full`` (at most ``bound``: the capacity it was
-        built with) once a new size class appears. Built before any block size is
+        built with) once the size classes changed. Built before any block size is
         known, with ``max_slots``, a policy would size its ghosts, clocks and miniature
-        caches hundreds of times larger than the cache."""
-        if self._fitted == len(self._classes):
+        caches hundreds of times larger than the cache; and sized for a block size no
+        block has any more (a model replaced by another), smaller or larger than it."""
+        if self._fitted == self._changes:
             return
-        self._fitted = len(self._classes)
+        self._fitted = self._changes
         want = min(bound, self.blocks_when_full())
         if want != policy.capacity:
             policy.set_capacity(want)
@@ -251,6 +255,9 @@ class Allocator:
                 self._extent_slot_bytes[e] = 0
                 ext_free[e] = []
                 self._free_extents.append(e)
+                if not sc.extents:  # no block of this size left: forget the size
+                    del self._classes[sc.slot_bytes]
+                    self._changes += 1
         self.used_bytes -= nbytes
         self.used_slots -= n
 

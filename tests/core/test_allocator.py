@@ -100,6 +100,27 @@ def test_blocks_when_full_counts_the_block_sizes_in_use() -> None:
     assert a.blocks_when_full() == 8 * (16 + 4) // 2
 
 
+def test_a_block_size_no_block_has_any_more_is_forgotten() -> None:
+    """A model replaced by another on the node: the policy was sized as if the two
+    shared the pool for good, and eviction took the several-sizes path for good."""
+    a = Allocator(8 << 20, 1 << 20, 4096)
+    policy = make_policy("arc", a.max_slots)
+    old = a.alloc_many(256 << 10, 5)  # two extents
+    new = a.alloc_many(64 << 10, 3)
+    a.fit(policy, a.max_slots)
+    assert a.size_classes == 2 and policy.capacity == 8 * (4 + 16) // 2
+    a.free_many(old[:4])  # one extent back: the size still has a block
+    a.fit(policy, a.max_slots)
+    assert a.size_classes == 2 and policy.capacity == 8 * (4 + 16) // 2
+    a.free_many(old[4:])
+    a.fit(policy, a.max_slots)
+    assert a.size_classes == 1 and policy.capacity == a.blocks_when_full() == 8 * 16
+    a.free_many(new)  # the last size gone too: sized as it would be for the next one
+    assert a.size_classes == 0 and a.free_slots(256 << 10) == 8 * 4
+    a.fit(policy, a.max_slots)
+    assert policy.capacity == 8 * 4
+
+
 def test_fit_sizes_a_policy_once_per_new_block_size_never_above_its_bound() -> None:
     a = Allocator(8 << 20, 1 << 20, 4096)
     policy = make_policy("arc", a.max_slots)

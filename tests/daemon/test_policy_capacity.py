@@ -29,12 +29,21 @@ BLOCK = 64 << 10  # 16 per extent: 64 extents hold 1,024 blocks (16,384 of 4 KiB
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "chain", "arc", "s3fifo"])
-def test_daemon_index_decides_as_the_simulator(policy: str) -> None:
+@pytest.mark.parametrize("replaced", [False, True])
+def test_daemon_index_decides_as_the_simulator(policy: str, replaced: bool) -> None:
+    """``replaced``: a model with other blocks used the pool first, and is gone (its
+    blocks flushed): the policy was left sized for the two sharing the pool."""
     rows = SHAPES["docqa"](700, random.Random(5))
     trace = make_trace(rows[0] if isinstance(rows, tuple) else rows)
     index = new_index(Config(pool_size=64 * EXTENT, extent_size=EXTENT, policy=policy))
     assert index.policy.capacity == 64 * EXTENT // 4096  # no block size known yet
-    tenant = Tenants().get_or_create("t", model="m", tp_size=1, rank_page_bytes=(BLOCK,))
+    tenants = Tenants()
+    if replaced:
+        gone = tenants.get_or_create("old", model="o", tp_size=1, rank_page_bytes=(4 * BLOCK,))
+        slots = index.allocate(gone, [b"old%d" % i for i in range(4)]).slots
+        index.store_done(np.array(slots, dtype=np.int64), 0)
+        assert index.evict_tenant(gone) == 4
+    tenant = tenants.get_or_create("t", model="m", tp_size=1, rank_page_bytes=(BLOCK,))
     for keys in trace.requests:  # as kvd.sim.replay drives its index
         hits = index.lookup(tenant, keys)[0]
         if hits < len(keys):
