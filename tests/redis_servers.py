@@ -114,6 +114,7 @@ class RedisCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.created = False
         self.replicas = replicas
+        self.added: list[_Node] = []
         for attempt in range(attempts):
             self.ports = list(ports) if ports else free_ports(3 * (1 + replicas))
             self.nodes = [_Node(p, self.dir, [
@@ -165,8 +166,30 @@ class RedisCluster:
                                        for n in self.nodes))
 
     def stop(self) -> None:
-        for n in self.nodes:
+        for n in self.nodes + self.added:
             n.stop()
+
+    def add_node(self, timeout: float = 30.0) -> _Node:
+        """A new empty master met by the cluster (owning no slot, so absent from the
+        slot map a client read before); stopped with the cluster."""
+        port = free_ports(1)[0]
+        node = _Node(port, self.dir, ["--cluster-enabled", "yes", "--cluster-config-file",
+                                      str(self.dir / f"nodes-{port}.conf"),
+                                      "--cluster-node-timeout", "3000"])
+        self.added.append(node)
+        node.start()
+        if not node.wait_up():
+            raise RuntimeError(f"redis-server on port {port} did not come up:\n{node.tail()}")
+        self.nodes[0].cli("CLUSTER", "MEET", "127.0.0.1", str(port))
+        deadline = time.monotonic() + timeout
+        while not (all(f":{port}@" in n.cli("CLUSTER", "NODES", check=False)
+                       and "handshake" not in n.cli("CLUSTER", "NODES", check=False)
+                       for n in self.nodes)
+                   and "cluster_state:ok" in node.cli("CLUSTER", "INFO", check=False)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {port} not met by the cluster")
+            time.sleep(0.05)
+        return node
 
     def cli(self, *args: str) -> str:
         """``redis-cli -c`` on the first node (redirects followed); its stdout."""

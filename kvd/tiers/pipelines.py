@@ -1,5 +1,7 @@
 """Round trips to a Redis/Valkey Cluster (or one server): one pipeline per master that
-owns some of a call's keys, no retries, each cut at a deadline.
+owns some of a call's keys, no retries, each cut at a deadline. The keys a master sends
+elsewhere (ASK, MOVED) go once more, in one pipeline per node named, under the same
+rules.
 
 redis-py's cluster pipeline would resend each failed command alone (a timeout apiece)
 and its clients retry with backoff; here a dead or hung master costs one socket timeout,
@@ -15,12 +17,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
+from redis.cluster import PRIMARY, ClusterNode, RedisCluster, get_node_name
+from redis.exceptions import (AskError, ClusterDownError, MovedError, SlotNotCoveredError,
+                              TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -31,14 +35,18 @@ Client = redis.Redis | RedisCluster
 Command = tuple[Any, ...]
 
 
-class Sent(NamedTuple):
+@dataclass
+class Sent:
     """What one call's pipelines came back with."""
 
     replies: list[Any]  # in the commands' order; a TierError where the master failed or
-    # was skipped, an exception object for one key's error (WRONGTYPE, OOM)
-    answered: set[str]  # masters, by redis-py's "host:port" name
-    failed: dict[str, TierError]
-    skipped: set[str]
+    # was skipped, or no master serves the key's slot, an exception object for one
+    # key's error (WRONGTYPE, OOM, TRYAGAIN)
+    answered: set[str] = field(default_factory=set)  # masters, by redis-py's "host:port"
+    failed: dict[str, TierError] = field(default_factory=dict)
+    skipped: set[str] = field(default_factory=set)
+    stale: bool = False  # the client's slot map is out of date (a MOVED, a slot unserved)
+    redirected: set[str] = field(default_factory=set)  # nodes the redirects named
 
 
 def pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0,
@@ -49,38 +57,72 @@ def pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0,
     if not isinstance(client, RedisCluster):
         kw = client.get_connection_kwargs()
         name = f"{kw.get('host')}:{kw.get('port')}"
-        return Sent(execute(client, cmds, name, budget_s), {name}, {}, set())
+        return Sent(execute(client, cmds, name, budget_s), {name})
+    sent = Sent([None] * len(cmds))
     groups: dict[str, tuple[ClusterNode, list[int]]] = {}
     for i, cmd in enumerate(cmds):
-        node = client.get_node_from_key(cmd[1])
+        try:
+            node = client.get_node_from_key(cmd[1])
+        except SlotNotCoveredError:  # its master lost for good (full coverage off)
+            sent.replies[i] = TierError(f"redis: no master serves the slot of {cmd[1]!r}")
+            sent.stale = True
+            continue
         groups.setdefault(node.name, (node, []))[1].append(i)
-    sent = Sent([None] * len(cmds), set(), {}, set())
-    results = sent.replies
+    _send(client, cmds, groups, sent, budget_s, skip)
+    redirected = [i for i, r in enumerate(sent.replies) if isinstance(r, AskError)]
+    if redirected:  # (MOVED is an AskError)
+        _redirect(client, cmds, redirected, sent, budget_s, skip)
+    return sent
+
+
+def _send(client: RedisCluster, cmds: list[Command],
+          groups: dict[str, tuple[ClusterNode, list[int]]], sent: Sent, budget_s: float,
+          skip: Callable[[str], bool], asking: bool = False) -> None:
+    """One pipeline per node of ``groups``, its replies into ``sent``. ``asking``: each
+    command after an ASKING (which lets the next command into a slot being imported, and
+    is harmless where the node owns the slot)."""
     for name, (node, idx) in groups.items():
-        if skip(name):
+        if skip(name) or name in sent.failed:  # (failed: a second timeout in one call)
             sent.skipped.add(name)
             replies: list[Any] = [BreakerOpen(f"redis node {name}: breaker open")] * len(idx)
         else:
+            batch = [cmds[i] for i in idx]
+            if asking:
+                batch = [c for cmd in batch for c in (("ASKING",), cmd)]
             try:
-                replies = execute(client.get_redis_connection(node),
-                                  [cmds[i] for i in idx], name, budget_s)
+                replies = execute(client.get_redis_connection(node), batch, name, budget_s)
                 sent.answered.add(name)
             except TierError as e:
                 sent.failed[name] = e
-                replies = [e] * len(idx)
+                replies = [e] * len(batch)
+            if asking:
+                replies = replies[1::2]
         for i, reply in zip(idx, replies):
-            results[i] = reply
-    for i, reply in enumerate(results):
-        if isinstance(reply, (AskError, TryAgainError)):  # MOVED is an AskError
-            try:
-                results[i] = client.execute_command(*cmds[i])
-            except ResponseError as e:  # one key's error (WRONGTYPE, OOM), as above
-                if isinstance(e, ClusterDownError):
-                    raise
-                results[i] = e
-            except (RedisConnectionError, RedisTimeoutError) as e:  # moved to one now down
-                results[i] = TierError(f"redis {cmds[i][0]} after a redirect: {describe(e)}")
-    return sent
+            sent.replies[i] = reply
+
+
+def _redirect(client: RedisCluster, cmds: list[Command], idx: list[int], sent: Sent,
+              budget_s: float, skip: Callable[[str], bool]) -> None:
+    """The commands a master sent elsewhere (its slot migrating: ASK; moved: MOVED),
+    once, one pipeline per node named, under the same budget and breakers as the first
+    round (re-sent one by one, each redirect to a hung master cost a socket timeout, and
+    its failures no breaker). A node the client has not met yet (just added to the
+    cluster) is met here; a second redirect is a miss."""
+    nodes = client.nodes_manager
+    groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+    for i in idx:
+        err = sent.replies[i]
+        sent.stale |= isinstance(err, MovedError)
+        name = get_node_name(err.host, err.port)
+        sent.redirected.add(name)
+        node = nodes.nodes_cache.get(name)
+        if node is None:
+            node = nodes.nodes_cache.setdefault(name, ClusterNode(err.host, err.port, PRIMARY))
+        groups.setdefault(name, (node, []))[1].append(i)
+    _send(client, cmds, groups, sent, budget_s, skip, asking=True)
+    for i in idx:
+        if isinstance(sent.replies[i], (AskError, TryAgainError)):
+            sent.replies[i] = TierError(f"redis {cmds[i][0]}: redirected twice")
 
 
 def execute(node: redis.Redis, cmds: list[Command], where: str,

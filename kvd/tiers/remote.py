@@ -9,7 +9,8 @@ Every call is a few pipelines, one per master owning the batch's keys, with no r
 
 One master down is not the cluster down: a cluster that serves the slots it still
 covers (``cluster-require-full-coverage no``, or the seconds before a failover) keeps
-serving kvd, the dead master's keys reading as misses and its puts as declined. A
+serving kvd, the dead master's keys reading as misses and its puts as declined (a
+master lost for good, its slots unserved, too: the client takes a slot map with holes). A
 breaker per master stops calling one that keeps failing; the tier's own breaker opens
 when no master answers. While a master fails or is skipped, the slot map is looked up
 again in place, at most every REFRESH_S: a replica that took over is used within that.
@@ -44,6 +45,9 @@ MIN_BYTES_PER_S = 32 << 20
 # While a master fails or is skipped, the slots are looked up again at most this often (a
 # replica that took over is found within it).
 REFRESH_S = 1.0
+# A node only redirects name (a slot migrating to a node just added) keeps its breaker
+# this long after the last redirect to it: it is in no slot map until the slot is its.
+REDIRECT_KEEP_S = 60.0
 # redis-py 8 can ask the master just seen failing last when it looks the slots up again.
 _ASK_IT_LAST = "last_failed_node_name" in inspect.signature(NodesManager.initialize).parameters
 _ADDR = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(?P<port>\d{1,5})")
@@ -107,6 +111,7 @@ class RedisTier(Tier):
         self.rejected_blocks = 0  # puts the cluster answered with an error (OOM...)
         self.last_error = ""
         self._masters: dict[str, _NodeBreaker] = {}  # by "host:port", as redis-py names
+        self._redirected: dict[str, float] = {}  # node -> when a redirect last named it
         self._refreshed_at = float("-inf")  # the slot map was last looked up again
 
     # ------------------------------------------------------------ the Tier API
@@ -313,6 +318,9 @@ class RedisTier(Tier):
                 self._trial = False
             raise
         failed = sent.failed
+        if sent.redirected:
+            with self._lock:
+                self._redirected.update(dict.fromkeys(sent.redirected, self.clock()))
         self._masters_answered(sent.answered, failed)
         if sent.answered or not cmds:
             self._succeeded()
@@ -323,14 +331,15 @@ class RedisTier(Tier):
         else:  # only masters known (or just found) down were asked: no verdict on it
             with self._lock:
                 self._trial = False
-        if failed or sent.skipped:
-            self._refresh(client, next(iter(failed or sent.skipped)))
+        if failed or sent.skipped or sent.stale:
+            self._refresh(client, next(iter(failed or sent.skipped), ""))
         return sent.replies
 
     def _refresh(self, client: Client, suspect: str) -> None:
         """Look up the slots again (at most every REFRESH_S) while a master fails or is
-        skipped: a replica that took over is used from then on. In place: a new client
-        would send ``COMMAND`` first, to a master that may be the one down."""
+        skipped, or the slot map is out of date: a replica that took over is used from
+        then on. In place: a new client would send ``COMMAND`` first, to a master that
+        may be the one down."""
         with self._lock:
             if self.clock() - self._refreshed_at < REFRESH_S:
                 return
@@ -338,15 +347,26 @@ class RedisTier(Tier):
         try:
             client.nodes_manager.initialize(  # type: ignore[union-attr]
                 disconnect_startup_nodes_pools=False,  # other threads' calls use them
-                **({"last_failed_node_name": suspect} if _ASK_IT_LAST else {}))
-            masters = {n.name for n in client.get_primaries()}
+                **({"last_failed_node_name": suspect} if _ASK_IT_LAST and suspect else {}))
+            self._keep_masters(client)
         except _FAILURES:
             with self._lock:
                 if self._client is client:
                     self._client = None
+
+    def _keep_masters(self, client: Client) -> None:
+        """Breakers of the client's masters only: a master replaced by its replica is no
+        longer one (it stayed "down" for good when a new client, made after the whole
+        cluster failed, never called it again). Kept too: a node that redirects named in
+        the last REDIRECT_KEEP_S, in no slot map while a slot migrates to it."""
+        if not isinstance(client, RedisCluster):
             return
-        with self._lock:  # a master replaced by its replica is no longer one
-            for name in [n for n in self._masters if n not in masters]:
+        masters = {n.name for n in client.get_primaries()}
+        with self._lock:
+            since = self.clock() - REDIRECT_KEEP_S
+            self._redirected = {n: t for n, t in self._redirected.items() if t >= since}
+            for name in [n for n in self._masters
+                         if n not in masters and n not in self._redirected]:
                 del self._masters[name]
 
     def _all_down(self, client: Client, failed: dict[str, TierError]) -> bool:
@@ -374,6 +394,7 @@ class RedisTier(Tier):
             client = self._client
             if client is None:
                 client, cluster = self._connect()
+                self._keep_masters(client)
                 with self._lock:
                     self._client, self._cluster = client, cluster
             return client
@@ -400,7 +421,9 @@ class RedisTier(Tier):
             startup = [ClusterNode(h, p) for h, p in self.nodes]
             # A new client sends COMMAND to its default node, the first master CLUSTER
             # SLOTS names: redis-py's own retries move it on if that one is down.
-            client = RedisCluster(startup_nodes=startup,
+            # Full coverage not required: the slots of a master lost for good (with its
+            # replicas) are misses, the others served (the client refused to start).
+            client = RedisCluster(startup_nodes=startup, require_full_coverage=False,
                                   retry=Retry(NoBackoff(), len(self.nodes)), **opts)
             client.set_retry(no_retry())  # from here on the breakers decide
             return client, True
