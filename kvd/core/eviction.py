@@ -8,7 +8,7 @@ when a slot is free again (never while a copy or a lease still pins it).
 from __future__ import annotations
 
 from collections import deque
-from itertools import compress, islice, repeat
+from itertools import chain, compress, islice, repeat
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,24 +56,20 @@ class Evictor:
         self.ix = index
 
     def evict_tenant(self, tenant: Tenant | None) -> int:
-        """Admin eviction of READY unpinned blocks (one tenant, or all when None)."""
+        """Admin eviction of READY unpinned blocks (one tenant, or all when None). From
+        the tenants' own maps, in one batch: it walked the policy's whole order, every
+        tenant's blocks for one tenant's evict (the tenant limit's drop of a 100-block
+        tenant took a second at a million blocks held), and dropped block by block."""
         ix = self.ix
         ix.flush()
-        policy, entries, pins = ix.policy, ix.entries, ix.pins
-        victims = [
-            key
-            for key in policy.victims()
-            if (slot := entries[key]) is not None
-            and pins[slot] == 0
-            and (tenant is None or ix.tenant_of[slot] == tenant.id)
-        ]
-        for key in victims:
-            policy.remove(key)
-            slot = entries[key]
-            ix.counters.evicted_bytes += ix._slot_tenant[slot].slot_bytes
-            self.drop(slot)
-        ix.counters.evicted_blocks += len(victims)
-        return len(victims)
+        maps = ix._ready.values() if tenant is None else [ix._ready.get(tenant.id, {})]
+        held = np.fromiter(chain.from_iterable(m.values() for m in maps), dtype=np.int64)
+        slots = held[ix.pins[held] == 0].tolist()
+        keys = list(map(ix._slot_key.__getitem__, slots))
+        deque(map(ix.policy.remove, keys), maxlen=0)
+        self.drop_many(slots, victims=True)
+        ix.counters.evicted_blocks += len(slots)
+        return len(slots)
 
     def make_room(self, tenant: Tenant, need: int, n_new: int, out: list[bytes]) -> int:
         """Evict up to ``need`` blocks so ``tenant`` can allocate ``n_new``; same size

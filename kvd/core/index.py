@@ -10,9 +10,10 @@ Time is passed in (``now``, seconds); the index never reads a clock.
 from __future__ import annotations
 
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -461,17 +462,18 @@ class Index:
         return all(pending[s].owner == owner for s in slots.tolist() if s in pending)
 
     def abort(self, slots: np.ndarray) -> int:
-        """Drop PENDING slots (a failed or abandoned store); freed once unpinned."""
+        """Drop PENDING slots (a failed or abandoned store); freed once unpinned. In one
+        batch: an engine leaving with 786k blocks pending held the loop 5-10 s."""
         self.flush()
-        n = 0
-        for slot in slots.tolist():
-            if slot < len(self.state) and self.state[slot] == PENDING and slot in self._pending:
-                self._count(self.pending_by, self._pending.pop(slot).owner, -1)
-                self._sums.pop(slot, None)
-                self.evictor.drop(slot)
-                n += 1
-        self.counters.failed_stores += n
-        return n
+        slots = np.unique(slots[(slots >= 0) & (slots < len(self.state))])
+        pending = self._pending
+        ours = [s for s in slots[self.state[slots] == PENDING].tolist() if s in pending]
+        for owner, n in Counter(p.owner for p in map(pending.pop, ours)).items():
+            self._count(self.pending_by, owner, -n)
+        deque(map(self._sums.pop, ours, repeat(None)), maxlen=0)
+        self.evictor.drop_many(ours)
+        self.counters.failed_stores += len(ours)
+        return len(ours)
 
     def restore(self, tenant: Tenant, key: bytes, slot: int, depth: int,
                 checksums: list[int], parent: bytes | None = None) -> bool:
