@@ -39,8 +39,9 @@ import msgspec
 import zmq
 
 from kvd_client.errors import KvdClientError, Timeout, Unavailable
-from kvd_client.io_loop import MAX_QUEUED, RECEIVE_WINDOW_S, ClientStats, IOLoop, Shared, log
+from kvd_client.io_loop import IOLoop
 from kvd_client.process import leave_compute_cpus
+from kvd_client.shared import MAX_QUEUED, RECEIVE_WINDOW_S, ClientStats, Shared, log
 from kvd_proto import messages as m
 
 __all__ = ["ClientStats", "Connection"]
@@ -135,7 +136,7 @@ class Connection(Shared):
             return fut
         if not self._up.is_set():
             self.stats.unavailable += 1
-            why = self._io.why_down
+            why = self._io.link.why_down
             fut.set_exception(Unavailable(f"kvd at {self.endpoint} is not connected"
                                           + (f" ({why})" if why else "")))
             return fut
@@ -229,20 +230,21 @@ class Connection(Shared):
             if self._closed and fut is not None:  # (close() may have looked at the queue)
                 fut.set_exception(Unavailable("kvd connection closed"))
                 return True
-            if (self._closed or io.phase != "up" or not self._outbox.empty()
-                    or (instance and instance != self.instance) or io.in_flight_req(msg.req)):
+            if (self._closed or io.link.phase != "up" or not self._outbox.empty()
+                    or (instance and instance != self.instance)
+                    or io.book.in_flight_req(msg.req)):
                 return False
             try:
-                if not io.raw_send(msg):
+                if not io.link.raw_send(msg):
                     return False
             except Exception:  # noqa: BLE001 - cannot be encoded: the I/O thread fails
                 return False  # it once queued, as it does any message it cannot send
             if fut is not None:  # (its reply waits for the lock, held here)
                 fut.set_running_or_notify_cancel()  # new: cannot have been cancelled
-            io.track(msg, fut)
+            io.book.track(msg, fut)
             if fut is not None and wait > 0:
                 io.await_reply(fut, wait)
-            if io.inbox or io.readable():  # the FD's edge may be gone: tell the I/O thread
+            if io.inbox or io.link.readable():  # the FD's edge may be gone: tell the I/O thread
                 self._wakeup()
             return True
         finally:

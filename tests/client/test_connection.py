@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from kvd_client import Connection, RemoteError, Timeout, Unavailable, host_regions
-from kvd_client.io_loop import CLOSE_WAIT_S, GRACE_S
+from kvd_client.bookkeeping import GRACE_S
+from kvd_client.io_loop import CLOSE_WAIT_S
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, pack_u32, unpack_u32
 from tests.daemon.workers import Spec, fingerprint
@@ -365,7 +366,7 @@ def test_answers_a_newer_daemon_gives_end_what_they_answer_at_once(tmp_path):
         assert (dones[0].event, dones[0].code) == (5, m.Code.INTERNAL)
         epoch = c.epoch
         time.sleep(7)  # pings every 0.1 s, each answered so: the connection stays
-        assert c.up and c.epoch == epoch, c._io.why_down  # (never registered again)
+        assert c.up and c.epoch == epoch, c._io.link.why_down  # (never registered again)
     finally:
         c.close()
         stop.set()
@@ -391,7 +392,7 @@ def test_a_handshake_a_newer_daemon_refuses_or_speaks_another_version_is_a_refus
     t, stop = misbehaving_daemon(path, _new_error, hello=hello)
     c = Connection(path, timeout=5)
     try:
-        assert wait_for(lambda: c._io.why_down, 4), "still handshaking"  # (timeout: 5 s)
+        assert wait_for(lambda: c._io.link.why_down, 4), "still handshaking"  # (timeout: 5 s)
         assert not c.up and not c.handshaking
         with pytest.raises(Unavailable):
             c.request(m.Ping(c.next_req()))
@@ -451,7 +452,7 @@ def test_a_hello_naming_no_process_is_refused_and_the_thread_lives_on(tmp_path):
     t, stop = misbehaving_daemon(path, lambda msg: m.encode(m.Ok(msg.req)), lambda: pid[0])
     c = Connection(path, timeout=2)
     try:
-        assert wait_for(lambda: "bad HelloOk" in c._io.why_down, 10)
+        assert wait_for(lambda: "bad HelloOk" in c._io.link.why_down, 10)
         assert not c.up and c._thread.is_alive()
         with pytest.raises(Unavailable, match="bad HelloOk"):
             c.request(m.Ping(c.next_req()))
@@ -468,7 +469,7 @@ def test_a_socket_path_too_long_says_why_and_the_thread_lives_on(tmp_path):
     """The I/O thread died on connect's error, and calls said only "not connected"."""
     c = Connection("/tmp/" + "x" * 120 + "/kvd.sock", timeout=1)
     try:
-        assert wait_for(lambda: "cannot connect" in c._io.why_down, 10)
+        assert wait_for(lambda: "cannot connect" in c._io.link.why_down, 10)
         assert not c.up
         with pytest.raises(Unavailable, match="cannot connect.*File name too long"):
             c.request(m.Ping(c.next_req()))
@@ -481,7 +482,7 @@ def test_the_outbox_is_bounded_and_what_it_took_ends_once(daemon):
     """Callers sending faster than the I/O thread can send piled messages up without
     bound (and the thread, flushing them, handled nothing else): past MAX_QUEUED a send
     is refused at once; what was queued goes out and ends exactly once."""
-    from kvd_client.io_loop import MAX_QUEUED
+    from kvd_client.shared import MAX_QUEUED
 
     dones: list[m.Done] = []
     mem = [np.zeros((4, 4096), dtype=np.uint8)]
@@ -634,7 +635,7 @@ def test_a_refused_register_is_logged_once_while_it_is_retried(daemon_factory, c
         assert wait_for(lambda: c.stats.sent >= 6 and not c._handshaking, 20)
         said = [r for r in caplog.records if "refused the handshake" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in said]
-        assert not c.up and "tenant limit" in c._io.why_down
+        assert not c.up and "tenant limit" in c._io.link.why_down
     finally:
         c.close()
         first.close()
