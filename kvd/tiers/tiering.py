@@ -41,7 +41,7 @@ from kvd.core.tenants import Tenant
 from kvd.engines.base import checksums
 from kvd.errors import BreakerOpen, TierError
 from kvd.tiers.base import Tier, TierBlock, make_tier
-from kvd.tiers.disk import extent_for
+from kvd.tiers.disk_index import extent_for
 
 log = logging.getLogger("kvd.tiers")
 Post = Callable[..., None]  # loop.call_soon_threadsafe

@@ -26,8 +26,9 @@ from kvd.errors import BreakerOpen, ConfigError, KvdError, TierError
 from kvd.journal import Journal
 from kvd.tiers import disk as disk_module
 from kvd.tiers.base import HEADER_BYTES, BlockHeader, TierBlock, make_tier
-from kvd.tiers.disk import FAULT_COOLDOWN_S, DiskTier, extent_for
+from kvd.tiers.disk import FAULT_COOLDOWN_S, DiskTier
 from kvd.tiers.disk_files import DATA_FILE, JOURNAL_FILE
+from kvd.tiers.disk_index import extent_for
 from tests.waiting import in_child
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -460,7 +461,7 @@ def test_damage_inside_the_journal_is_said_at_start(tmp_path, caplog):
     flip(path, path.stat().st_size // 2)
     caplog.set_level(logging.WARNING, logger="kvd")
     t = DiskTier(str(tmp_path), SIZE, extent_size=EXT)
-    kept = len(t._entries)
+    kept = len(t.index.entries)
     assert 0 < kept < 20  # the blocks named before the damage
     said = [r.getMessage() for r in caplog.records if "not intact records" in r.getMessage()]
     assert len(said) == 1 and str(tmp_path) in said[0]
@@ -773,7 +774,7 @@ class DiskModel(RuleBasedStateMachine):
     def slots_name_their_blocks(self) -> None:
         """The slot -> key map that emptying an extent reads agrees with the index."""
         t = self.tier
-        assert t._slot_key == {p.slot: k for k, p in t._entries.items()}
+        assert t.index.slot_key == {p.slot: k for k, p in t.index.entries.items()}
 
 
 DiskModel.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
@@ -909,7 +910,7 @@ def test_a_journal_rewrite_that_fails_is_not_tried_at_every_put(tmp_path, monkey
 
     monkeypatch.setattr(t.journal, "write_snapshot", refused)
     for i in range(6):
-        t._records = 10**6  # a journal long past its rewrite point
+        t.keeper.records = 10**6  # a journal long past its rewrite point
         assert t.put(NS, blocks(ks(f"a{i}-", 2))) == 2  # the blocks are held all the same
     assert len(tries) == 1
     now[0] += disk_module.COMPACT_RETRY_S

@@ -228,7 +228,7 @@ def test_a_promotion_does_not_evict_the_run_it_promotes(rig, tmp_path, monkeypat
     _store(t, tenant, [b"a%d" % i for i in range(128)])  # RAM is full
     promoted = [b"p%d" % i for i in range(8)]
     disk.put(ns, [TierBlock(k, i, np.full(BLOCK, i, np.uint8)) for i, k in enumerate(promoted)])
-    room = disk.allocator.total_slots(disk._slot_bytes(BLOCK)) - 8
+    room = disk.allocator.total_slots(disk.index.slot_bytes(BLOCK)) - 8
     for start in range(0, room, 16):  # then other blocks fill the disk
         disk.put(ns, [TierBlock(b"f%d" % i, 0, np.zeros(BLOCK, np.uint8))
                       for i in range(start, min(start + 16, room))])
