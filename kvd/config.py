@@ -382,18 +382,19 @@ def load(
 
 def _hidden_problems(layers: list[tuple[str, dict[str, Any]]],
                      merged: dict[str, Any]) -> list[str]:
-    """Values a higher source overrides that would be refused in their place: they
-    pass unseen today and stop the daemon the day that source goes (an Environment=
-    line or a flag dropped from the unit)."""
+    """A source some of whose values a higher one overrides, refused as it would be read
+    without those above it: it passes unseen today and stops the daemon the day they
+    go (an Environment= line or a flag dropped from the unit)."""
     problems = []
+    below: dict[str, Any] = {}
     for i, (source, values) in enumerate(layers):
+        below.update(values)
         above = {k for _, later in layers[i + 1:] for k in later}
-        for k in sorted(values.keys() & above):
-            if values[k] == merged[k]:
-                continue
-            try:
-                msgspec.convert({**merged, k: values[k]}, Config, strict=False)
-            except (msgspec.ValidationError, ValueError) as e:
-                problems.append(f"{source}: {k} = {values[k]!r} would be refused ({e}); "
-                                "a value set higher up hides it for now")
+        if not any(values[k] != merged[k] for k in values.keys() & above):
+            continue  # nothing of it hidden
+        try:
+            msgspec.convert(below, Config, strict=False)
+        except (msgspec.ValidationError, ValueError) as e:
+            problems.append(f"{source}: would be refused without the sources above it "
+                            f"({e}); a value set higher up hides the problem for now")
     return problems
