@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from kvd.core.policies.base import EvictionPolicy
 
 
+# A size that held no block while the pool turned over this many times is forgotten.
+IDLE_TURNOVERS = 4
+
+
 class AllocatorError(ValueError):
     """A size class the pool cannot serve (slot larger than an extent, or too small)."""
 
@@ -57,6 +61,8 @@ class Allocator:
         self.used_slots = 0
         self._changes = 0  # size classes made or forgotten so far
         self._fitted = 0  # ``_changes`` when ``fit`` last ran
+        self._handed = 0  # slots handed out so far: the pool's turnovers, as a clock
+        self._idle: dict[int, int] = {}  # sizes holding no extent -> ``_handed`` since
 
     # ------------------------------------------------------------ classes
     def check_slot_bytes(self, slot_bytes: int) -> None:
@@ -78,6 +84,7 @@ class Allocator:
             per = min(self.extent_bytes // slot_bytes, self.slots_per_extent_max)
             sc = self._classes[slot_bytes] = _SizeClass(slot_bytes, per)
             self._changes += 1
+            self._idle[slot_bytes] = self._handed
         return sc
 
     def free_slots(self, slot_bytes: int) -> int:
@@ -87,9 +94,23 @@ class Allocator:
 
     @property
     def size_classes(self) -> int:
-        """Size classes asked for and not forgotten since (one is when its last extent
-        is given back): with one, every slot has its size."""
+        """Size classes asked for and not forgotten since (``forget_idle``): with one,
+        every slot has its size."""
         return len(self._classes)
+
+    def forget_idle(self, keep: int = 0) -> None:
+        """Forget the sizes that held no extent for ``IDLE_TURNOVERS`` times the blocks
+        the pool holds (a model replaced by another on the node), but ``keep``, the size
+        being allocated. Kept for good, a gone size left the policy sized for a mix
+        that no longer was, and eviction on the several-sizes path; forgotten at once,
+        a size whose few blocks come and go re-sized the policy each time (the default
+        policy's learning lost with it)."""
+        if not self._idle:
+            return
+        horizon = self._handed - IDLE_TURNOVERS * self.blocks_when_full()
+        for size in [b for b, since in self._idle.items() if since <= horizon and b != keep]:
+            del self._idle[size], self._classes[size]
+            self._changes += 1
 
     def per_extent(self, slot_bytes: int) -> int:
         return self._class(slot_bytes).per_extent
@@ -139,12 +160,14 @@ class Allocator:
         per = sum(sc.per_extent for sc in self._classes.values()) / len(self._classes)
         return max(1, int(self.n_extents * per))
 
-    def fit(self, policy: EvictionPolicy, bound: int) -> None:
+    def fit(self, policy: EvictionPolicy, bound: int, keep: int = 0) -> None:
         """Size ``policy`` to ``blocks_when_full`` (at most ``bound``: the capacity it was
         built with) once the size classes changed. Built before any block size is
         known, with ``max_slots``, a policy would size its ghosts, clocks and miniature
         caches hundreds of times larger than the cache; and sized for a block size no
-        block has any more (a model replaced by another), smaller or larger than it."""
+        block has any more (a model replaced by another), smaller or larger than it.
+        ``keep``: a size about to be allocated, never forgotten here."""
+        self.forget_idle(keep)
         if self._fitted == self._changes:
             return
         self._fitted = self._changes
@@ -183,6 +206,7 @@ class Allocator:
             sc.free -= take
         self.used_bytes += slot_bytes * len(out)
         self.used_slots += len(out)
+        self._handed += len(out)
         return out
 
     def _take_extent(self, sc: _SizeClass, e: int | None = None) -> int:
@@ -197,6 +221,7 @@ class Allocator:
         sc.extents.add(e)
         sc.partial.add(e)
         sc.free += sc.per_extent
+        self._idle.pop(sc.slot_bytes, None)
         return e
 
     def claim(self, slot: int, slot_bytes: int) -> bool:
@@ -225,6 +250,7 @@ class Allocator:
         self._extent_used[e] += 1
         self.used_bytes += slot_bytes
         self.used_slots += 1
+        self._handed += 1
         return True
 
     def free(self, slot: int) -> None:
@@ -255,9 +281,8 @@ class Allocator:
                 self._extent_slot_bytes[e] = 0
                 ext_free[e] = []
                 self._free_extents.append(e)
-                if not sc.extents:  # no block of this size left: forget the size
-                    del self._classes[sc.slot_bytes]
-                    self._changes += 1
+                if not sc.extents:  # no block of this size left: idle from now
+                    self._idle[sc.slot_bytes] = self._handed
         self.used_bytes -= nbytes
         self.used_slots -= n
 

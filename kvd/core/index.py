@@ -321,7 +321,7 @@ class Index:
             new = list(range(len(keys)))
         new = first_places(keys, new)  # a repeated key gets one slot, at its first place
         need = len(new) - self.allocator.free_slots(tenant.slot_bytes)
-        self.allocator.fit(self.policy, self._capacity_bound)
+        self.allocator.fit(self.policy, self._capacity_bound, keep=tenant.slot_bytes)
         evicted: list[bytes] = []
         total = 0
         if need > 0:

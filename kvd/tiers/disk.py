@@ -240,7 +240,7 @@ class DiskTier(Tier):
             dropped: list[int] = []
             for slot_bytes, items in staged.items():
                 items = items[:self.allocator.total_slots(slot_bytes)]
-                self.allocator.fit(self.policy, self.index.bound)
+                self.allocator.fit(self.policy, self.index.bound, keep=slot_bytes)
                 freed = self.index.make_room(slot_bytes, len(items))
                 self.counts["evicted_blocks"] += len(freed)
                 dropped += freed

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.core.allocator import Allocator, AllocatorError
+from kvd.core.allocator import IDLE_TURNOVERS, Allocator, AllocatorError
 from kvd.core.policies import make_policy
 
 EXTENT = 64 * 1024
@@ -102,23 +102,33 @@ def test_blocks_when_full_counts_the_block_sizes_in_use() -> None:
 
 def test_a_block_size_no_block_has_any_more_is_forgotten() -> None:
     """A model replaced by another on the node: the policy was sized as if the two
-    shared the pool for good, and eviction took the several-sizes path for good."""
+    shared the pool for good, and eviction took the several-sizes path for good. Not
+    at once: a size whose few blocks come and go re-sized the policy each time."""
     a = Allocator(8 << 20, 1 << 20, 4096)
     policy = make_policy("arc", a.max_slots)
     old = a.alloc_many(256 << 10, 5)  # two extents
     new = a.alloc_many(64 << 10, 3)
+    a.free_slots(1 << 20)  # asked about, never given an extent
     a.fit(policy, a.max_slots)
-    assert a.size_classes == 2 and policy.capacity == 8 * (4 + 16) // 2
-    a.free_many(old[:4])  # one extent back: the size still has a block
-    a.fit(policy, a.max_slots)
-    assert a.size_classes == 2 and policy.capacity == 8 * (4 + 16) // 2
-    a.free_many(old[4:])
-    a.fit(policy, a.max_slots)
+    assert a.size_classes == 3 and policy.capacity == 8 * (4 + 16 + 1) // 3
+    a.free_many(old)
+    turnover = IDLE_TURNOVERS * a.blocks_when_full()
+
+    def churn(n: int) -> None:  # the pool's other blocks come and go
+        for _ in range(n):
+            a.free_many(a.alloc_many(64 << 10, 8))
+            a.fit(policy, a.max_slots, keep=64 << 10)
+
+    churn(turnover // 8 - 2)
+    assert a.size_classes == 3  # idle, not long enough
+    a.free_many(a.alloc_many(256 << 10, 1))  # back meanwhile: idle from now again
+    churn(turnover // 8 - 2)
+    assert a.size_classes == 2 and policy.capacity == 8 * (4 + 16) // 2  # 1 MiB went
+    churn(IDLE_TURNOVERS * a.blocks_when_full() // 8)  # the turnover of the pool as it is
     assert a.size_classes == 1 and policy.capacity == a.blocks_when_full() == 8 * 16
-    a.free_many(new)  # the last size gone too: sized as it would be for the next one
-    assert a.size_classes == 0 and a.free_slots(256 << 10) == 8 * 4
-    a.fit(policy, a.max_slots)
-    assert policy.capacity == 8 * 4
+    a.free_many(new)  # the last size gone too: kept while asked for
+    a.fit(policy, a.max_slots, keep=64 << 10)
+    assert a.size_classes == 1 and a.free_slots(64 << 10) == 8 * 16
 
 
 def test_fit_sizes_a_policy_once_per_new_block_size_never_above_its_bound() -> None:
