@@ -40,8 +40,8 @@ class Sent:
     """What one call's pipelines came back with."""
 
     replies: list[Any]  # in the commands' order; a TierError where the master failed or
-    # was skipped, or no master serves the key's slot, an exception object for one
-    # key's error (WRONGTYPE, OOM, TRYAGAIN)
+    # was skipped, no master serves the key's slot, or it is mid-migration (TRYAGAIN),
+    # an exception object for one key's error (WRONGTYPE, OOM)
     answered: set[str] = field(default_factory=set)  # masters, by redis-py's "host:port"
     failed: dict[str, TierError] = field(default_factory=dict)
     skipped: set[str] = field(default_factory=set)
@@ -72,6 +72,9 @@ def pipelined(client: Client, cmds: list[Command], budget_s: float = 0.0,
     redirected = [i for i, r in enumerate(sent.replies) if isinstance(r, AskError)]
     if redirected:  # (MOVED is an AskError)
         _redirect(client, cmds, redirected, sent, budget_s, skip)
+    for i, reply in enumerate(sent.replies):
+        if isinstance(reply, TryAgainError):  # a key mid-migration: a miss, not refused
+            sent.replies[i] = TierError(f"redis {cmds[i][0]}: TRYAGAIN (slot migrating)")
     return sent
 
 
@@ -108,18 +111,24 @@ def _redirect(client: RedisCluster, cmds: list[Command], idx: list[int], sent: S
     round (re-sent one by one, each redirect to a hung master cost a socket timeout, and
     its failures no breaker). A node the client has not met yet (just added to the
     cluster) is met here; a second redirect is a miss."""
-    nodes = client.nodes_manager
     groups: dict[str, tuple[ClusterNode, list[int]]] = {}
+    met: list[ClusterNode] = []  # nodes not in the client's table, for this call only
     for i in idx:
         err = sent.replies[i]
         sent.stale |= isinstance(err, MovedError)
         name = get_node_name(err.host, err.port)
         sent.redirected.add(name)
-        node = nodes.nodes_cache.get(name)
-        if node is None:
-            node = nodes.nodes_cache.setdefault(name, ClusterNode(err.host, err.port, PRIMARY))
+        node = client.get_node(node_name=name)
+        if node is None:  # (not added to redis-py's table: its lock is its own)
+            node = ClusterNode(err.host, err.port, PRIMARY)
+            met.append(node)
         groups.setdefault(name, (node, []))[1].append(i)
-    _send(client, cmds, groups, sent, budget_s, skip, asking=True)
+    try:
+        _send(client, cmds, groups, sent, budget_s, skip, asking=True)
+    finally:
+        for node in met:
+            if node.redis_connection is not None:
+                node.redis_connection.close()
     for i in idx:
         if isinstance(sent.replies[i], (AskError, TryAgainError)):
             sent.replies[i] = TierError(f"redis {cmds[i][0]}: redirected twice")
