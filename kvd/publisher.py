@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -35,6 +34,7 @@ import zmq
 
 from kvd.events import (AllBlocksCleared, BatchBuilder, KVEventBatch, TenantInfo, node_name,
                         topic_for)
+from kvd.inode import Identity, identity_of, unlink_if
 
 log = logging.getLogger("kvd.publisher")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -88,7 +88,7 @@ class Publisher:
         # A subscription is a topic prefix: a peer that sends more is dropped, before
         # its message (and the prefix it would keep in the subscription trie) is held.
         self.pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION)
-        self._ipc_files: dict[str, tuple[int, int]] = {}  # bound here: removed at the close
+        self._ipc_files: dict[str, Identity | None] = {}  # bound here: removed at the close
         self.endpoint = self._bind(self.pub, endpoint)
         self.replay: zmq.Socket | None = None
         self.replay_endpoint = ""
@@ -117,8 +117,7 @@ class Publisher:
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if bound.startswith("ipc://") and not bound.startswith("ipc://@"):
             with contextlib.suppress(OSError):
-                st = os.lstat(path := bound[len("ipc://"):])
-                self._ipc_files[path] = (st.st_dev, st.st_ino)
+                self._ipc_files[path] = identity_of(path := bound[len("ipc://"):])
         return bound
 
     def publish(self, batches: list[tuple[bytes, bytes, int]]) -> None:
@@ -248,9 +247,7 @@ class Publisher:
             self.replay.close(linger=0)
         for path, ident in self._ipc_files.items():  # the ones it bound, as the daemon's
             with contextlib.suppress(OSError):  # socket: not a later daemon's at the path
-                st = os.lstat(path)
-                if (st.st_dev, st.st_ino) == ident:
-                    os.unlink(path)
+                unlink_if(path, ident)
 
 
 class KvEvents:
