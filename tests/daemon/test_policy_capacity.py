@@ -29,6 +29,16 @@ EXTENT = 1 << 20
 BLOCK = 64 << 10  # 16 per extent: 64 extents hold 1,024 blocks (16,384 of 4 KiB)
 
 
+def _request(index, tenant, keys) -> None:
+    """One request, as kvd.sim.replay drives its index: the hit run, the rest stored."""
+    hits = index.lookup(tenant, keys)[0]
+    if hits < len(keys):
+        slots = [s for s in index.allocate(tenant, keys[hits:], depth=hits).slots
+                 if s != NO_SLOT]
+        if slots:
+            index.store_done(np.array(slots, dtype=np.int64), 0)
+
+
 @pytest.mark.parametrize("policy", ["adaptive", "chain", "arc", "s3fifo"])
 @pytest.mark.parametrize("replaced", [False, True])
 def test_daemon_index_decides_as_the_simulator(policy: str, replaced: bool,
@@ -48,13 +58,8 @@ def test_daemon_index_decides_as_the_simulator(policy: str, replaced: bool,
         index.store_done(np.array(slots, dtype=np.int64), 0)
         assert index.evict_tenant(gone) == 4
     tenant = tenants.get_or_create("t", model="m", tp_size=1, rank_page_bytes=(BLOCK,))
-    for keys in trace.requests:  # as kvd.sim.replay drives its index
-        hits = index.lookup(tenant, keys)[0]
-        if hits < len(keys):
-            slots = [s for s in index.allocate(tenant, keys[hits:], depth=hits).slots
-                     if s != NO_SLOT]
-            if slots:
-                index.store_done(np.array(slots, dtype=np.int64), 0)
+    for keys in trace.requests:
+        _request(index, tenant, keys)
     assert index.policy.capacity == 64 * (EXTENT // BLOCK)
     sim = replay(trace, 64 * (EXTENT // BLOCK), policy)
     assert index.counters.evicted_blocks > 0
@@ -77,13 +82,7 @@ def test_a_block_size_whose_few_blocks_come_and_go_sizes_the_policy_once() -> No
     other = tenants.get_or_create("o", model="o", tp_size=1, rank_page_bytes=(4 * BLOCK,))
     for n, keys in enumerate(trace.requests):
         if n % 50 == 25:
-            slots = index.allocate(other, [b"o%d" % n]).slots
-            index.store_done(np.array(slots, dtype=np.int64), 0)
-        hits = index.lookup(tenant, keys)[0]
-        if hits < len(keys):
-            slots = [s for s in index.allocate(tenant, keys[hits:], depth=hits).slots
-                     if s != NO_SLOT]
-            if slots:
-                index.store_done(np.array(slots, dtype=np.int64), 0)
+            _request(index, other, [b"o%d" % n])
+        _request(index, tenant, keys)
     assert len(resized) <= 2, resized
     assert index.counters.evicted_blocks > 0

@@ -478,19 +478,27 @@ def test_one_master_down_leaves_the_others_serving(redis_cluster, raw):
     t.close()
 
 
+def _replicated_tier(cluster, breaker_cooldown_s: float):
+    """Replication up (the replicas hold what is written), and a tier that wrote 64
+    blocks: the tier, their tenant and the blocks."""
+    for n in cluster.nodes:
+        assert wait_for(lambda n=n: "role:master" in (info := n.cli("INFO", "replication"))
+                        or "master_link_status:up" in info, 30)
+    t = RedisTier(cluster.url, timeout_ms=200, breaker_failures=3,
+                  breaker_cooldown_s=breaker_cooldown_s)
+    ns, blocks = _ns(), _blocks(64)
+    assert t.put(ns, blocks) == 64
+    return t, ns, blocks
+
+
 def test_a_replica_that_takes_over_a_dead_master_is_used(redis_cluster_with_replicas):
     """A master dies, its replica is promoted: the blocks it replicated are served again
     from the new master, found by looking the slot map up again while the old master is
     skipped (no failure needed to find it), with no new client and no breaker of the
     tier's own opening."""
     cluster = redis_cluster_with_replicas
-    for n in cluster.nodes:  # replication is up: the replicas hold what is written
-        assert wait_for(lambda n=n: "role:master" in (info := n.cli("INFO", "replication"))
-                        or "master_link_status:up" in info, 30)
-    t = RedisTier(cluster.url, timeout_ms=200, breaker_failures=3, breaker_cooldown_s=600)
-    ns, blocks = _ns(), _blocks(64)
+    t, ns, blocks = _replicated_tier(cluster, breaker_cooldown_s=600)
     keys = [b.key for b in blocks]
-    assert t.put(ns, blocks) == 64
     raw = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
     try:
         for name in {raw.get_node_from_key(_key(ns, k)).name for k in keys}:
@@ -914,13 +922,8 @@ def test_a_master_replaced_while_the_cluster_was_down_is_not_down_for_good(
     the new topology, which never calls the dead master again: it stayed in
     ``masters_down`` (and the gauge at 1) for good."""
     cluster = redis_cluster_with_replicas
-    for n in cluster.nodes:
-        assert wait_for(lambda n=n: "role:master" in (info := n.cli("INFO", "replication"))
-                        or "master_link_status:up" in info, 30)
-    t = RedisTier(cluster.url, timeout_ms=200, breaker_failures=3, breaker_cooldown_s=0.3)
-    ns, blocks = _ns(), _blocks(64)
+    t, ns, blocks = _replicated_tier(cluster, breaker_cooldown_s=0.3)
     keys = [b.key for b in blocks]
-    assert t.put(ns, blocks) == 64
     raw = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
     try:
         dead, _ = _later_master(raw, cluster, ns, keys)
