@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvd.core.allocator import AllocatorError
 from kvd.core.index import Index
 from kvd.core.tenants import Tenant, Tenants
 from kvd.engines.base import checksums
@@ -136,12 +137,18 @@ class Persistence:
                     if len(b.checksums) <= r or b.checksums[r] != g:
                         good[i] = False
             rec.corrupt += good.count(False)
-            for b, g in zip(blocks, good):
-                if not g:
-                    continue
-                if index.restore(t, b.key, b.slot, b.depth, b.checksums, b.parent or None):
+            blocks = [b for b, g in zip(blocks, good) if g]
+            try:  # all of the tenant's slots at once: a claim apiece searched a list
+                claimed = alloc.claim_many([b.slot for b in blocks], t.slot_bytes)
+            except AllocatorError:  # its size no longer fits the pool's geometry
+                claimed = [False] * len(blocks)
+            for b, c in zip(blocks, claimed):
+                if c and index.restore(t, b.key, b.slot, b.depth, b.checksums,
+                                       b.parent or None, claimed=True):
                     rec.restored += 1
                 else:
+                    if c:  # a key restored already (at another slot): this one goes
+                        alloc.free(b.slot)
                     rec.unplaceable += 1
         # Tenants dropped at the tenant limit leave no record (their blocks' evictions
         # do): past the limit, those left without a block go again, oldest first.

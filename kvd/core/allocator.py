@@ -253,6 +253,45 @@ class Allocator:
         self._handed += 1
         return True
 
+    def claim_many(self, slots: Sequence[int], slot_bytes: int) -> list[bool]:
+        """``claim`` for many slots, in order (the first of a repeated slot wins), each
+        extent's free list rewritten once: a claim apiece searched its list, and a
+        restart restoring 131k blocks into extents of 65,536 slots took 43 s."""
+        sc = self._class(slot_bytes)
+        spm, per = self.slots_per_extent_max, sc.per_extent
+        got = [False] * len(slots)
+        wanted: dict[int, dict[int, int]] = {}  # extent -> {index in it: place in slots}
+        for place, slot in enumerate(slots):
+            e, i = divmod(slot, spm)
+            if 0 <= e < self.n_extents and i < per:
+                wanted.setdefault(e, {}).setdefault(i, place)
+        free_extents = set(self._free_extents)
+        for e, want in wanted.items():
+            if self._extent_class[e] is None:
+                if e not in free_extents:
+                    continue
+                self._take_extent(sc, e)
+                free_extents.discard(e)
+            elif self._extent_class[e] is not sc:
+                continue
+            free = self._extent_free[e]
+            taken = [i for i in free if i in want]
+            if not taken:
+                continue
+            gone = set(taken)
+            free[:] = [i for i in free if i not in gone]
+            for i in taken:
+                got[want[i]] = True
+            if not free:
+                sc.partial.discard(e)
+            n = len(taken)
+            sc.free -= n
+            self._extent_used[e] += n
+            self.used_bytes += slot_bytes * n
+            self.used_slots += n
+            self._handed += n
+        return got
+
     def free(self, slot: int) -> None:
         self.free_many((slot,))
 

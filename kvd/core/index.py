@@ -476,12 +476,15 @@ class Index:
         return len(ours)
 
     def restore(self, tenant: Tenant, key: bytes, slot: int, depth: int,
-                checksums: list[int], parent: bytes | None = None) -> bool:
+                checksums: list[int], parent: bytes | None = None,
+                claimed: bool = False) -> bool:
         """Put back a READY block found in the pool after a restart (already verified).
-        False when the slot cannot be claimed (geometry changed, or already taken)."""
+        False when the slot cannot be claimed (geometry changed, or already taken), or
+        the key is held already. ``claimed``: the caller claimed the slot (and frees it
+        if this says False)."""
         if tenant.prefix + key in self.entries:
             return False
-        if not self.allocator.claim(slot, tenant.slot_bytes):
+        if not claimed and not self.allocator.claim(slot, tenant.slot_bytes):
             return False
         scoped = tenant.prefix + key
         self.entries[scoped] = slot
