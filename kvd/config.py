@@ -382,19 +382,31 @@ def load(
 
 def _hidden_problems(layers: list[tuple[str, dict[str, Any]]],
                      merged: dict[str, Any]) -> list[str]:
-    """A source some of whose values a higher one overrides, refused as it would be read
-    without those above it: it passes unseen today and stops the daemon the day they
-    go (an Environment= line or a flag dropped from the unit)."""
-    problems = []
-    below: dict[str, Any] = {}
-    for i, (source, values) in enumerate(layers):
-        below.update(values)
-        above = {k for _, later in layers[i + 1:] for k in later}
-        if not any(values[k] != merged[k] for k in values.keys() & above):
-            continue  # nothing of it hidden
+    """Values a higher source hides that would be refused without it: they pass unseen
+    today and stop the daemon the day that source goes (an Environment= line or a flag
+    dropped from the unit). Said only where the hidden values are the cause: the
+    configuration without the hiding source is refused, and accepted without them too."""
+    def refused(config: dict[str, Any]) -> str:
         try:
-            msgspec.convert(below, Config, strict=False)
+            msgspec.convert(config, Config, strict=False)
         except (msgspec.ValidationError, ValueError) as e:
-            problems.append(f"{source}: would be refused without the sources above it "
-                            f"({e}); a value set higher up hides the problem for now")
+            return str(e)
+        return ""
+
+    problems = []
+    for i, (source, values) in enumerate(layers):
+        for j in range(i + 1, len(layers)):
+            hider, hiding = layers[j]
+            hidden = sorted(k for k in values.keys() & hiding.keys() if values[k] != hiding[k])
+            if not hidden:
+                continue
+            without = {k: v for n, (_, layer) in enumerate(layers) if n != j
+                       for k, v in layer.items()}
+            why = refused(without)
+            if why and not refused({k: v for k, v in without.items() if k not in hidden}
+                                   | {k: v for n, (_, layer) in enumerate(layers)
+                                      if n < i for k, v in layer.items() if k in hidden}):
+                said = ", ".join(f"{k} = {values[k]!r}" for k in hidden)
+                problems.append(f"{source}: {said} would be refused without the {hider}'s "
+                                f"value ({why}); hidden by it for now")
     return problems

@@ -229,8 +229,8 @@ def test_a_bad_value_hidden_by_a_higher_source_is_warned_of(tmp_path, caplog, li
         cfg, origin = load(str(f), env)
     assert origin[key] == "env"
     warned = [r.getMessage() for r in caplog.records if r.name == "kvd.config"]
-    assert len(warned) == 1 and warned[0].startswith(f"file {f}: would be refused")
-    assert key in warned[0]
+    assert len(warned) == 1 and warned[0].startswith(f"file {f}: {key} = ")
+    assert "would be refused without the env's value" in warned[0]
     caplog.clear()
     f.write_text(f"{key} = {Config().__getattribute__(key)!r}\n")  # a good value hidden
     with caplog.at_level("WARNING", logger="kvd.config"):
@@ -248,4 +248,21 @@ def test_values_fine_together_in_their_file_are_not_warned_of_when_hidden(tmp_pa
     with caplog.at_level("WARNING", logger="kvd.config"):
         cfg, _ = load(str(f), env)
     assert cfg.extent_size == 512 << 10
+    assert not [r for r in caplog.records if r.name == "kvd.config"]
+
+
+def test_a_hidden_value_is_warned_of_only_where_it_is_the_cause(tmp_path, caplog):
+    """Checked as a whole source read without those above it, a file with a hidden
+    problem beside a flag went unwarned, and a file refused for a value nobody hides
+    was warned of because some other value of it was hidden."""
+    f = tmp_path / "kvd.toml"
+    f.write_text('min_slot_bytes = "1M"\n')
+    with caplog.at_level("WARNING", logger="kvd.config"):  # the flag makes it a problem
+        load(str(f), {"KVD_MIN_SLOT_BYTES": "64K"}, {"extent_size": "512K"})
+    warned = [r.getMessage() for r in caplog.records if r.name == "kvd.config"]
+    assert len(warned) == 1 and "min_slot_bytes = 1048576" in warned[0]
+    caplog.clear()
+    f.write_text(f'disk_path = "{tmp_path}/disk"\npool_size = "8G"\n')
+    with caplog.at_level("WARNING", logger="kvd.config"):  # pool_size is not the cause
+        load(str(f), {"KVD_DISK_SIZE": "100G", "KVD_POOL_SIZE": "16G"})
     assert not [r for r in caplog.records if r.name == "kvd.config"]
