@@ -137,7 +137,12 @@ class Persistence:
                     if len(b.checksums) <= r or b.checksums[r] != g:
                         good[i] = False
             rec.corrupt += good.count(False)
+            keys = set(t.prefix + b.key for b in blocks) & index.entries.keys()
             blocks = [b for b, g in zip(blocks, good) if g]
+            if keys:  # a key held already (another slot's record): not claimed
+                placed = len(blocks)
+                blocks = [b for b in blocks if t.prefix + b.key not in keys]
+                rec.unplaceable += placed - len(blocks)
             try:  # all of the tenant's slots at once: a claim apiece searched a list
                 claimed = alloc.claim_many([b.slot for b in blocks], t.slot_bytes)
             except AllocatorError:  # its size no longer fits the pool's geometry

@@ -209,11 +209,12 @@ class Allocator:
         self._handed += len(out)
         return out
 
-    def _take_extent(self, sc: _SizeClass, e: int | None = None) -> int:
-        """Give a free extent (the next one, or ``e``) to size class ``sc``."""
+    def _take_extent(self, sc: _SizeClass, e: int | None = None, listed: bool = True) -> int:
+        """Give a free extent (the next one, or ``e``) to size class ``sc``; ``listed``:
+        take ``e`` off the free list too (else the caller does)."""
         if e is None:
             e = self._free_extents.pop()
-        else:
+        elif listed:
             self._free_extents.remove(e)
         self._extent_class[e] = sc
         self._extent_slot_bytes[e] = sc.slot_bytes
@@ -256,22 +257,28 @@ class Allocator:
     def claim_many(self, slots: Sequence[int], slot_bytes: int) -> list[bool]:
         """``claim`` for many slots, in order (the first of a repeated slot wins), each
         extent's free list rewritten once: a claim apiece searched its list, and a
-        restart restoring 131k blocks into extents of 65,536 slots took 43 s."""
-        sc = self._class(slot_bytes)
-        spm, per = self.slots_per_extent_max, sc.per_extent
+        restart restoring 131k blocks into extents of 65,536 slots took 43 s. A size
+        none of whose slots lie in the pool is not made a class here."""
+        self.check_slot_bytes(slot_bytes)
+        spm = self.slots_per_extent_max
+        per = min(self.extent_bytes // slot_bytes, spm)
         got = [False] * len(slots)
         wanted: dict[int, dict[int, int]] = {}  # extent -> {index in it: place in slots}
         for place, slot in enumerate(slots):
             e, i = divmod(slot, spm)
             if 0 <= e < self.n_extents and i < per:
                 wanted.setdefault(e, {}).setdefault(i, place)
+        if not wanted:
+            return got
+        sc = self._class(slot_bytes)
         free_extents = set(self._free_extents)
+        taken_extents: set[int] = set()
         for e, want in wanted.items():
             if self._extent_class[e] is None:
                 if e not in free_extents:
                     continue
-                self._take_extent(sc, e)
-                free_extents.discard(e)
+                self._take_extent(sc, e, listed=False)
+                taken_extents.add(e)
             elif self._extent_class[e] is not sc:
                 continue
             free = self._extent_free[e]
@@ -290,6 +297,8 @@ class Allocator:
             self.used_bytes += slot_bytes * n
             self.used_slots += n
             self._handed += n
+        if taken_extents:  # off the free list in one pass (a removal apiece searched it)
+            self._free_extents = [e for e in self._free_extents if e not in taken_extents]
         return got
 
     def free(self, slot: int) -> None:
