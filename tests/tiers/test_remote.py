@@ -214,9 +214,22 @@ def test_a_slot_moved_after_connecting_is_followed(tier, redis_cluster, raw):
         pytest.skip("no empty slot among 39 keys")
     to = (owner + 1) % 3
 
+    def owns(view: str, node: int) -> bool:
+        """Whether ``CLUSTER NODES`` output ``view`` gives ``slot`` to ``node``."""
+        line = next(x.split() for x in view.splitlines() if x.startswith(ids[node]))
+        return any(int(r.split("-")[0]) <= slot <= int(r.split("-")[-1])
+                   for r in line[8:] if not r.startswith("["))
+
     def assign(node: int) -> None:
+        # The new owner's config epoch the highest first: an older claim of the slot
+        # still in gossip would win over an assignment made without one.
+        redis_cluster.node_cli(node, "CLUSTER", "BUMPEPOCH")
         for i in (node, *(j for j in range(3) if j != node)):
             redis_cluster.node_cli(i, "CLUSTER", "SETSLOT", str(slot), "NODE", ids[node])
+        # Every node agrees before the test goes on: a redirect is followed once (a
+        # second one, while nodes still disagree, is a miss).
+        assert wait_for(lambda: all(owns(redis_cluster.node_cli(i, "CLUSTER", "NODES"), node)
+                                    for i in range(3)), 10)
 
     assign(to)
     try:
