@@ -225,6 +225,13 @@ class Allocator:
         self._idle.pop(sc.slot_bytes, None)
         return e
 
+    def fits(self, slot: int, slot_bytes: int) -> bool:
+        """Whether ``slot`` is a slot of size ``slot_bytes`` in this geometry (whatever
+        holds it now); makes no size class."""
+        e, i = divmod(slot, self.slots_per_extent_max)
+        return (0 <= e < self.n_extents and self.min_slot_bytes <= slot_bytes
+                <= self.extent_bytes and i < self.extent_bytes // slot_bytes)
+
     def claim(self, slot: int, slot_bytes: int) -> bool:
         """Allocate this exact slot (restoring a pool after a restart); False when the
         slot is taken, out of range, or its extent serves another size class."""

@@ -17,7 +17,7 @@ from itertools import islice
 
 import numpy as np
 
-from kvd.core.allocator import Allocator, AllocatorError
+from kvd.core.allocator import Allocator
 from kvd.core.eviction import SCAN
 from kvd.core.policies.base import EvictionPolicy
 from kvd.tiers.base import HEADER_BYTES
@@ -72,17 +72,44 @@ class DiskIndex:
 
     def restore(self, live: dict[int, DiskPut]) -> None:
         """Hold the blocks a journal names (``replay``'s ``live``) whose slots this
-        geometry can claim as they were; the others are left out."""
+        geometry can claim as they were; the others are left out. In journal order, as
+        claims one by one would: a key is held at its first slot that can be claimed,
+        an extent serves the size of the first block placed in it. The claims go in one
+        batch per size: a claim apiece searched its extent's free list (500k blocks took
+        5.5 s)."""
+        alloc = self.allocator
+        spm = alloc.slots_per_extent_max
+        owner: dict[int, int] = {}  # extent -> slot size of the first block put in it
+        held: dict[bytes, DiskPut] = {}
+        by_size: dict[int, list[int]] = {}
         for rec in live.values():  # in journal order
             key = scoped(rec.ns, rec.key)
-            try:
-                ok = (key not in self.entries and rec.slot_bytes == self.slot_bytes(
-                    rec.length) and self.allocator.claim(rec.slot, rec.slot_bytes))
-            except AllocatorError:
-                ok = False
-            if ok:
-                self.allocator.fit(self.policy, self.bound)
-                self.hold(key, rec)
+            if (key in held or key in self.entries or rec.slot_bytes != self.slot_bytes(
+                    rec.length) or not alloc.fits(rec.slot, rec.slot_bytes)
+                    or owner.setdefault(rec.slot // spm, rec.slot_bytes) != rec.slot_bytes):
+                continue
+            held[key] = rec
+            by_size.setdefault(rec.slot_bytes, []).append(rec.slot)
+        claimed: set[int] = set()
+        for slot_bytes, slots in by_size.items():
+            got = alloc.claim_many(slots, slot_bytes)
+            claimed.update(s for s, ok in zip(slots, got) if ok)
+        alloc.fit(self.policy, self.bound)
+        run: list[bytes] = []  # keys at consecutive depths: one ``insert_many`` each
+        depth = 0
+        for key, rec in held.items():
+            if rec.slot not in claimed:  # none: into a fresh allocator
+                continue
+            self.entries[key] = rec
+            self.slot_key[rec.slot] = key
+            if run and rec.depth != depth + len(run):
+                self.policy.insert_many(run, depth)
+                run = []
+            if not run:
+                depth = rec.depth
+            run.append(key)
+        if run:
+            self.policy.insert_many(run, depth)
 
     def drop(self, keys: Sequence[bytes]) -> list[int]:
         """Take keys the policy already let go of out of the index; their slots."""
