@@ -66,7 +66,7 @@ class Evictor:
         held = np.fromiter(chain.from_iterable(m.values() for m in maps), dtype=np.int64)
         slots = held[ix.pins[held] == 0].tolist()
         keys = list(map(ix._slot_key.__getitem__, slots))
-        deque(map(ix.policy.remove, keys), maxlen=0)
+        ix.policy.remove_many(keys)
         self.drop_many(slots, victims=True)
         ix.counters.evicted_blocks += len(slots)
         return len(slots)
@@ -184,7 +184,7 @@ class Evictor:
         rows, cols = np.nonzero(state[ext] == READY)
         slots = (ext[rows] * spm + cols).tolist()
         keys = list(map(ix._slot_key.__getitem__, slots))
-        deque(map(ix.policy.remove, keys), maxlen=0)  # not its victims: its own order
+        ix.policy.remove_many(keys)  # not its victims: its own order
         return self._evict_keys(keys, tenant, out, told=True)
 
     def _evict_keys(self, keys: list[bytes], tenant: Tenant, out: list[bytes],

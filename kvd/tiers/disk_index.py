@@ -156,7 +156,7 @@ class DiskIndex:
             need -= 1
             if not need:
                 break
-        deque(map(self.policy.remove, keys), maxlen=0)  # not its victims: its own order
+        self.policy.remove_many(keys)  # not its victims: its own order
         return self.drop(keys)
 
     def _own_victims(self, slot_bytes: int, n: int, limit: int | None,

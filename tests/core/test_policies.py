@@ -185,9 +185,9 @@ def test_chain_evicts_a_chain_tail_before_its_head() -> None:
 
 # ---------------------------------------------------------------- batch calls
 RUNS = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 4),
-                          st.booleans()),
+                          st.booleans(), st.integers(0, 3)),
                 min_size=1, max_size=20)  # (depth, run length, victims to evict after,
-#                                            store evicted keys again)
+#                                            store evicted keys again, keys removed after)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -195,12 +195,12 @@ RUNS = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 4
 @given(runs=RUNS, capacity=st.integers(2, 12))
 def test_batch_calls_equal_the_single_calls(
         name: str, runs: list, capacity: int) -> None:
-    """The batch calls the index makes (insert_many, evict) decide exactly as the
-    one-key calls (insert, victims + evicted) would."""
+    """The batch calls the index makes (insert_many, evict, remove_many) decide exactly
+    as the one-key calls (insert, victims + evicted, remove) would."""
     batch, single = make_policy(name, capacity), make_policy(name, capacity)
     fresh = iter(range(10**6))
     evicted: list[bytes] = []  # stored again, they return from the ghost lists
-    for depth, n, evict, again in runs:
+    for depth, n, evict, again, removed in runs:
         keys = [evicted.pop() if again and evicted and i % 2 == 0
                 else next(fresh).to_bytes(8, "little") for i in range(n)]
         batch.insert_many(keys, depth, depth + n)
@@ -215,6 +215,13 @@ def test_batch_calls_equal_the_single_calls(
         for key in gone:
             single.evicted(key)
         evicted.extend(gone)
+        assert list(batch.victims()) == list(single.victims())
+        # A flush's keys: the newest held, one of them twice, and one not held.
+        flushed = list(batch.victims())[len(list(batch.victims())) - removed:]
+        flushed += flushed[:1] + [next(fresh).to_bytes(8, "little")]
+        batch.remove_many(flushed)
+        for key in flushed:
+            single.remove(key)
         assert list(batch.victims()) == list(single.victims())
         if len(gone) < len(list(batch.victims())):  # a hit on the oldest live chain
             run = list(batch.victims())[-2:]

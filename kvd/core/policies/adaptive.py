@@ -213,6 +213,12 @@ class AdaptivePolicy(EvictionPolicy):
             p.remove(key)
         self._held_sample.discard(key)
 
+    def remove_many(self, keys: Sequence[Key]) -> None:
+        self._replay()
+        for p in self._live:
+            p.remove_many(keys)
+        self._held_sample.difference_update(keys)
+
     def evicted(self, key: Key) -> None:
         self.evicted_many((key,))
 

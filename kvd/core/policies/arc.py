@@ -64,6 +64,11 @@ class ARCPolicy(EvictionPolicy):
         else:
             self.t2.pop(key, None)
 
+    def remove_many(self, keys: Sequence[Key]) -> None:
+        t1, t2 = self.t1, self.t2
+        deque(map(t2.pop, [k for k in keys if t1.pop(k, _END) is _END], repeat(None)),
+              maxlen=0)
+
     def victims(self) -> Iterator[Key]:
         # vLLM's evict(): take from T1 while it is at or above its target, else T2;
         # the T1 size it compares is the one left after the victims already offered.

@@ -39,8 +39,9 @@ class EvictionPolicy(ABC):
       The caller may skip keys it cannot evict (pinned) and stops early; it must not
       call other methods while iterating.
     - ``evicted(key)`` (or ``evicted_many(keys)``, the same for each in order) after
-      the caller evicted a key that ``victims()`` offered; ``remove(key)`` when a key
-      leaves for another reason (flush, failed checksum).
+      the caller evicted a key that ``victims()`` offered; ``remove(key)`` (or
+      ``remove_many(keys)``, the same for each) when a key leaves for another reason
+      (flush, failed checksum).
     - ``evict(n)`` is ``evicted_many`` of the first ``n`` keys of ``victims()``, which
       it returns: the caller's path when it may evict any key (none is pinned).
     - ``capacity`` is the cache size in blocks; ``set_capacity`` may change it.
@@ -66,6 +67,11 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def remove(self, key: Key) -> None: ...
+
+    def remove_many(self, keys: Sequence[Key]) -> None:
+        """``remove`` on each key (an admin flush takes a million at once); policies
+        override it only to do the same work faster."""
+        deque(map(self.remove, keys), maxlen=0)
 
     @abstractmethod
     def victims(self) -> Iterator[Key]: ...

@@ -221,6 +221,10 @@ class ChainPolicy(EvictionPolicy):
         self._heap.discard(key)
         self._kind.pop(key, None)
 
+    def remove_many(self, keys: Sequence[Key]) -> None:
+        deque(map(self._heap.discard, keys), maxlen=0)
+        deque(map(self._kind.pop, keys, repeat(None)), maxlen=0)
+
     def evicted(self, key: Key) -> None:
         if key in self._kind:
             self.evicted_many((key,))

@@ -33,6 +33,8 @@ class LRUPolicy(EvictionPolicy):
     def evicted_many(self, keys: Sequence[Key]) -> None:
         deque(map(self._order.pop, keys, repeat(None)), maxlen=0)
 
+    remove_many = evicted_many
+
     def victims(self) -> Iterator[Key]:
         return iter(self._order)
 
