@@ -156,8 +156,19 @@ class Connection(Shared):
             return fut.result(limit)
         except FutureTimeout:
             self.stats.timeouts += 1
-            fut.cancel()
+            if not fut.cancel():  # sent: a reply may still come, to nobody
+                fut.add_done_callback(self._unclaimed)
             raise Timeout(f"kvd did not answer {type(msg).__name__} in time") from None
+
+    def _unclaimed(self, fut: Future) -> None:
+        """A reply its caller gave up waiting for: a lease in it goes back (as the I/O
+        thread gives back one that comes after the call's expiry)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        reply = fut.result()
+        if isinstance(reply, m.LookupOk) and reply.lease:
+            self.stats.late_leases += 1
+            self._queue((m.Release(self.next_req(), reply.lease), None, ""))
 
     def send(self, msg: m.Transfer, instance: str = "") -> bool:
         """Queue a Transfer; its one Done reaches ``on_done`` (see the module docstring

@@ -150,9 +150,11 @@ class IOLoop:
                 or req == link.handshake_req or req == link.ping_req):
             return False
         entry = book.pending.pop(req, None)
-        if entry is not None and entry[0] is not None:
+        if entry is None:
+            self.late(reply)
+        elif entry[0] is not None:
             entry[0].set_result(reply)
-        return True  # (or a late answer to a call that timed out: dropped, as receive does)
+        return True
 
     def drain(self, budget: int | None = None) -> bool:
         """Handle what came (``budget``: at most that many messages from the socket
@@ -270,7 +272,7 @@ class IOLoop:
             return
         entry = book.pending.pop(reply.req, None)
         if entry is None:
-            return  # a late answer to a call that timed out
+            return self.late(reply)
         fut = entry[0]
         if isinstance(reply, m.Error):
             c.stats.remote_errors += 1
@@ -280,6 +282,16 @@ class IOLoop:
                 fut.set_exception(RemoteError(reply.code, reply.message))
         elif fut is not None:
             fut.set_result(reply)
+
+    def late(self, reply: m.Reply) -> None:
+        """A reply to a call that timed out: nobody holds what it gives. A lease goes
+        back at once: its blocks stayed pinned, unevictable, for ``lease_ms`` after
+        every request had ended (a daemon stalled past the calls' time but not the
+        link's). A late ``Allocated``'s slots are left to their pending time: workers
+        may be storing into them by ticket."""
+        if isinstance(reply, m.LookupOk) and reply.lease:
+            self.c.stats.late_leases += 1
+            self.link.raw_send(m.Release(self.c.next_req(), reply.lease))
 
     def daemon_exited(self, fd: int) -> None:
         link, book = self.link, self.book

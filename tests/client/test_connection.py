@@ -136,6 +136,39 @@ def test_a_hung_daemon_costs_at_most_the_deadline(daemon):
         c.close()
 
 
+@pytest.mark.parametrize("stall", [0.35, 1.0])  # past the call's wait; past its expiry
+def test_a_lookup_answered_after_its_caller_gave_up_gives_its_lease_back(daemon, stall):
+    """A daemon stalled past a call's time but not the link's (pings every second):
+    the LookupOk it sent on waking leased the hits for nobody (the reply was dropped,
+    or set on a future nobody read), and they stayed pinned, unevictable, for the
+    lease's 30 s after every request had ended."""
+    c, sched, dones, _mem = worker_and_scheduler(daemon.socket)
+    spec = Spec(daemon.socket, pages=(4096,))
+    late = Connection(daemon.socket, ping_interval=1.0, timeout=0.25,
+                      register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5) and sched.wait_up(5) and late.wait_up(5)
+        slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), [b"a", b"b"])).slots)
+        assert c.send(m.Transfer(c.next_req(), 4, m.Direction.STORE, pack_u32([0, 1]),
+                                 pack_u32(slots)))
+        assert wait_for(lambda: dones and dones[-1].event == 4, 5)
+        assert dones[-1].code == m.Code.OK
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(Timeout):
+                late.request(m.Lookup(late.next_req(), [b"a", b"b"]))
+            time.sleep(stall - 0.25)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: daemon.status()["blocks"]["leases"] == 0, 5)
+        assert daemon.status()["blocks"]["pinned"] == 0 and late.stats.late_leases == 1
+        assert late.up and late.stats.reconnects == 0  # the link held: no Bye cleared it
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        for conn in (c, sched, late):
+            conn.close()
+
+
 def test_a_connection_replaced_after_a_pause_lets_go_of_what_it_held(daemon_factory):
     """The daemon was only paused: the connection declared lost says Bye on its way
     out, so its PENDING slots come back at once, not after client_timeout_ms (a minute)."""
