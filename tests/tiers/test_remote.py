@@ -220,10 +220,25 @@ def test_a_slot_moved_after_connecting_is_followed(tier, redis_cluster, raw):
         return any(int(r.split("-")[0]) <= slot <= int(r.split("-")[-1])
                    for r in line[8:] if not r.startswith("["))
 
+    def highest(node: int) -> bool:
+        """Whether every node sees ``node``'s config epoch above all others'."""
+        for i in range(3):
+            view = [x.split() for x in redis_cluster.node_cli(i, "CLUSTER",
+                                                             "NODES").splitlines()]
+            mine = next(int(x[6]) for x in view if x[0] == ids[node])
+            if any(int(x[6]) >= mine for x in view if x[0] != ids[node]):
+                if i == node:  # (a bump made before it heard of a later one, or equal)
+                    redis_cluster.node_cli(node, "CLUSTER", "BUMPEPOCH")
+                return False
+        return True
+
     def assign(node: int) -> None:
-        # The new owner's config epoch the highest first: an older claim of the slot
-        # still in gossip would win over an assignment made without one.
+        # The new owner's config epoch the highest everywhere first: the old owner's
+        # claim of the slot still in gossip, at a higher epoch, would win over the
+        # assignment in a node it reached after, and for good (no node claims the slot
+        # any more to correct it).
         redis_cluster.node_cli(node, "CLUSTER", "BUMPEPOCH")
+        assert wait_for(lambda: highest(node), 10)
         for i in (node, *(j for j in range(3) if j != node)):
             redis_cluster.node_cli(i, "CLUSTER", "SETSLOT", str(slot), "NODE", ids[node])
         # Every node agrees before the test goes on: a redirect is followed once (a
