@@ -85,9 +85,11 @@ def _send(client: RedisCluster, cmds: list[Command],
     command after an ASKING (which lets the next command into a slot being imported, and
     is harmless where the node owns the slot)."""
     for name, (node, idx) in groups.items():
-        if skip(name) or name in sent.failed:  # (failed: a second timeout in one call)
+        if name in sent.failed:  # failed earlier in this call: not a second timeout
+            replies: list[Any] = [sent.failed[name]] * len(idx)
+        elif skip(name):
             sent.skipped.add(name)
-            replies: list[Any] = [BreakerOpen(f"redis node {name}: breaker open")] * len(idx)
+            replies = [BreakerOpen(f"redis node {name}: breaker open")] * len(idx)
         else:
             batch = [cmds[i] for i in idx]
             if asking:
