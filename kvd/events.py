@@ -223,3 +223,27 @@ class BatchBuilder:
         for (tid, g), hs in by.items():
             out.setdefault(tid, []).append(
                 BlockRemoved(block_hashes=hs, medium=self.medium, group_idx=g))
+
+
+def held_commits(blocks: Sequence[tuple]) -> list[tuple]:
+    """The READY blocks (``Index.live_blocks``) as commit tuples, for a (re)start or a
+    flush to announce: chain by chain, each block after its parent (depth first, so a
+    chain stays one BlockStored)."""
+    held = {(b[0], b[1]) for b in blocks}
+    children: dict[tuple[int, bytes], list[tuple]] = {}
+    roots = []
+    for b in sorted(blocks, key=lambda b: b[3]):
+        if b[5] is not None and (b[0], b[5]) in held:
+            children.setdefault((b[0], b[5]), []).append(b)
+        else:
+            roots.append(b)
+    out = []
+    stack = roots[::-1]
+    while stack:
+        b = stack.pop()
+        out.append(("commit", *b))
+        stack.extend(children.get((b[0], b[1]), ())[::-1])
+    if len(out) < len(blocks):  # parents in a cycle (a raw client's): still announced
+        seen = {(c[1], c[2]) for c in out}
+        out += [("commit", *b) for b in blocks if (b[0], b[1]) not in seen]
+    return out

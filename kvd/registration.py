@@ -10,10 +10,10 @@ import os
 
 import numpy as np
 
+from kvd.clients import Client
 from kvd.engines.base import TransferEngine
 from kvd.engines.host import check_owner
 from kvd.errors import KvdError, RequestError
-from kvd.transfers import Client
 from kvd_proto import messages as m
 
 # Sizes no engine comes near: a message that does would cost the loop seconds and the

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from kvd.access import UNKNOWN_PEER, Access, Peer, peer_address
+from kvd.clients import Client
 from kvd.config import Config
 from kvd.engines.base import CopyJob, TransferEngine
 from kvd.engines.client_copy import ClientCopyEngine
@@ -34,7 +35,6 @@ from kvd.inode import Identity, identity, unlink_if
 from kvd.pool import Pool
 from kvd.service import Service
 from kvd.tiers.tiering import Tiering
-from kvd.transfers import Client
 from kvd_proto import messages as m
 
 log = logging.getLogger("kvd.server")

@@ -1,8 +1,10 @@
-"""Turns requests into core operations; hands Transfers to ``kvd.transfers``.
+"""The service object: all daemon state, and each request dispatched to its handler.
 
 Runs on the event loop only (no locks). ``handle`` answers every request at once,
 except Transfer, which ``Transfers`` ends with exactly one Done. Every input is
 validated; a bad one gets a typed Error (a Transfer: a Done) and changes nothing.
+Handlers live by concern in ``kvd.handshake`` (Hello, Register), ``kvd.leases``
+(Lookup, Release), ``kvd.stores`` (Allocate, Abort) and ``kvd.admin`` (kvdctl).
 """
 
 from __future__ import annotations
@@ -16,36 +18,34 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-from kvd.access import ACCESS_KEYS, Access, Peer
+from kvd.access import Peer
+from kvd.admin import AdminRequests
+from kvd.clients import Client
 from kvd.config import Config
-from kvd.core.allocator import Allocator, AllocatorError
+from kvd.core.allocator import Allocator
 from kvd.core.index import PENDING, READY, Index
-from kvd.core.states import NO_SLOT
 from kvd.core.policies import DEFAULT_POLICY, make_policy
-from kvd.core.tenants import Tenant, TenantError, Tenants, fingerprint_digest
+from kvd.core.tenants import Tenants
+from kvd.counters import Counters
 from kvd.engines.base import TransferEngine
-from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
-from kvd.events import TenantInfo
+from kvd.errors import KvdError, NotRegistered, RequestError
+from kvd.events import TenantInfo, held_commits
+from kvd.handshake import HandshakeRequests
 from kvd.journal import Header
+from kvd.leases import LeaseRequests
 from kvd.persist import Persistence
 from kvd.pool import Pool
 from kvd.publisher import KvEvents
-from kvd.registration import MAX_NAME, attach_memory, check_register
 from kvd.status import Sources, status_document
+from kvd.stores import StoreRequests
 from kvd.tiers.tiering import TierCounters, Tiering
-from kvd.transfers import Client, Counters, Transfers, own_slots
+from kvd.transfers import Send, Transfers
 from kvd_proto import messages as m
-from kvd_proto.ids import pack_u32, unpack_u32
 
 log = logging.getLogger("kvd.service")
-# Sizes no engine comes near (see kvd.registration): a key is kept for its block's life.
-MAX_KEY = 1024  # bytes of one block key (vLLM's are 36)
-MAX_DEPTH = (1 << 32) - 1  # a block's position in its request, as tier headers keep it
 # Ticks further apart than this mean the daemon did not run (SIGSTOP, a frozen VM, a
 # starved CPU): the time beyond it is not held against its clients' silence.
 AWAY_S = 1.0
-Send = Callable[[bytes, m.Reply], None]
-
 
 
 def new_index(config: Config) -> Index:
@@ -56,7 +56,10 @@ def new_index(config: Config) -> Index:
     return Index(alloc, policy, record=config.persist or bool(config.events_endpoint),
                  first_lease=1 + (int.from_bytes(os.urandom(6), "little") << 7))
 
-class Service:
+
+class Service(HandshakeRequests, LeaseRequests, StoreRequests, AdminRequests):
+    """The daemon's state, owned by the event loop; the bases hold its handlers."""
+
     def __init__(self, config: Config, pool: Pool, engines: dict[str, TransferEngine],
                  send: Send, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -85,8 +88,8 @@ class Service:
                 int_hashes=config.events_int_hashes, info=self._tenant_info,
                 tenants=lambda: [t.id for t in self.tenants], holds=self.index.holds)
             # A (re)start: what it holds now, and the topics of tenants it did not keep.
-            self.kv_events.clear(self._held(), self.persist.recovery.not_kept
-                                 if self.persist is not None else None)
+            not_kept = self.persist.recovery.not_kept if self.persist is not None else None
+            self.kv_events.clear(held_commits(self.index.live_blocks()), not_kept)
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
         self.transfers = Transfers(config, self.index, pool.base, send, clock, self.counters,
@@ -132,29 +135,6 @@ class Service:
         t = self.tenants.get(tenant_id)
         return TenantInfo(t.model if t else "", t.block_tokens if t else 0)
 
-    def _held(self) -> list[tuple]:
-        """Every READY block as a commit tuple, for the event stream: chain by chain,
-        each block after its parent (depth first, so a chain stays one BlockStored)."""
-        blocks = self.index.live_blocks()
-        held = {(b[0], b[1]) for b in blocks}
-        children: dict[tuple[int, bytes], list[tuple]] = {}
-        roots = []
-        for b in sorted(blocks, key=lambda b: b[3]):
-            if b[5] is not None and (b[0], b[5]) in held:
-                children.setdefault((b[0], b[5]), []).append(b)
-            else:
-                roots.append(b)
-        out = []
-        stack = roots[::-1]
-        while stack:
-            b = stack.pop()
-            out.append(("commit", *b))
-            stack.extend(children.get((b[0], b[1]), ())[::-1])
-        if len(out) < len(blocks):  # parents in a cycle (a raw client's): still announced
-            seen = {(c[1], c[2]) for c in out}
-            out += [("commit", *b) for b in blocks if (b[0], b[1]) not in seen]
-        return out
-
     def _dispatch(self, identity: bytes, peer: Peer, msg: m.Request) -> m.Reply | None:
         self.counters.requests += 1
         try:
@@ -195,11 +175,7 @@ class Service:
             if isinstance(msg, m.Release):
                 return self._release(client, msg)
             if isinstance(msg, m.Abort):
-                self._check_ids(msg.slots)
-                slots = own_slots(self.index, tenant, msg.slots, PENDING)
-                if not self.index.allocated_by(slots, client.id):
-                    raise BadIds("a slot of this Abort was allocated by another connection")
-                return m.Ok(msg.req, self.index.abort(slots))
+                return self._abort(client, tenant, msg)
             raise RequestError(f"unexpected message {type(msg).__name__}")
         except KvdError as e:
             self.counters.error(e.code)
@@ -208,280 +184,6 @@ class Service:
     def error(self, req: int, code: m.Code, message: str) -> m.Error:
         self.counters.error(code)
         return m.Error(req, code, message)
-
-    def _reload(self, identity: bytes, req: int) -> None:
-        """kvdctl reload: answered once the configuration is read and applied or refused
-        (the lifecycle's reload, as on SIGHUP)."""
-        if self.reloader is None:
-            raise RequestError("this daemon cannot reload (no configuration source)")
-
-        def answer(code: m.Code, summary: str) -> None:  # (not a protocol error: uncounted)
-            self.send(identity, m.Reloaded(req, summary) if code == m.Code.OK
-                      else m.Error(req, code, summary))
-
-        self.reloader(answer)
-
-    def _admin(self, msg: m.Evict | m.Flush | m.GetConfig) -> m.Reply:
-        """Operator requests (kvdctl); they need a Hello, not a tenant."""
-        if isinstance(msg, m.GetConfig):
-            values = msgspec.json.encode(self.config)
-            return m.ConfigOk(msg.req, values, dict(self.origins))
-        tenant = -1 if isinstance(msg, m.Flush) else msg.tenant
-        target = None if tenant == -1 else self.tenants.get(tenant)
-        if tenant != -1 and target is None:
-            raise RequestError(f"no tenant {tenant}")
-        n = self.index.evict_tenant(target)
-        if target is None and self.kv_events is not None:
-            self.commit()
-            self.kv_events.clear(self._held())
-        log.info("admin %s: evicted %d blocks", type(msg).__name__.lower(), n)
-        return m.Ok(msg.req, n)
-
-    def reconfigure(self, config: Config) -> None:
-        """SIGHUP: the new config's live keys apply from the next request on (the
-        lifecycle decides which keys are live; parts that cache a value refresh here)."""
-        old, self.config = self.config, config
-        self.transfers.config = config
-        self.tenants.max_tenants = config.max_tenants
-        if any(getattr(old, k) != getattr(config, k) for k in ACCESS_KEYS):
-            self._recheck_access()
-
-    def _recheck_access(self) -> None:
-        """Apply changed access rules to the clients already connected: one whose uid
-        (or group) is no longer allowed is forgotten as if it went away (its leases and
-        stores released; its next request is told to Hello, which is refused), and
-        admin rights follow ``admin_uids``. Only when those rules changed: a group
-        membership is read from /proc, which a reload of another key must not risk."""
-        access = self.access
-        for client in list(self.clients.values()):
-            peer = Peer(client.peer_pid, client.uid, client.gid)
-            if not access.allowed(peer):
-                log.warning("uid %d (pid %d) is no longer allowed: dropping client %d",
-                            client.uid, client.pid, client.id)
-                self.client_gone(client.identity, "no longer allowed")
-            else:
-                client.admin = access.admin(peer)
-
-    # ------------------------------------------------------------ handshake
-    @property
-    def access(self) -> Access:
-        """Built from the current config (a SIGHUP reload replaces the config)."""
-        if getattr(self, "_access_for", None) is not self.config:
-            self._access, self._access_for = Access(self.config), self.config
-        return self._access
-
-    def _hello(self, identity: bytes, peer: Peer, msg: m.Hello) -> m.Reply:
-        if not self.access.allowed(peer):
-            log.warning("refused a connection from uid %d (pid %d)", peer.uid, peer.pid)
-            raise KvdError(f"uid {peer.uid} may not use this kvd: not in allowed_uids or "
-                           "allowed_groups", m.Code.FORBIDDEN)
-        if msg.version != m.PROTOCOL_VERSION:
-            raise KvdError(
-                f"protocol version mismatch: client speaks {msg.version}, "
-                f"daemon speaks {m.PROTOCOL_VERSION}; upgrade the older side",
-                m.Code.VERSION_MISMATCH,
-            )
-        if identity in self.clients:  # its Transfers' Dones would be lost with it
-            raise RequestError("this connection said Hello already; a new session needs "
-                               "a new connection")
-        client = Client(self._next_client, identity, peer.pid or msg.pid, msg.name[:MAX_NAME],
-                        msg.pid,
-                        peer_pid=peer.pid, address=peer.address, uid=peer.uid, gid=peer.gid,
-                        admin=self.access.admin(peer),
-                        last_seen=self.clock())
-        self._next_client += 1
-        self.clients[identity] = client
-        if self.on_client is not None:
-            self.on_client(client)
-        return m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), self.instance, client.id,
-                         peer.pid,  # 0 when the kernel did not say: the client cannot tell
-                         time.monotonic_ns())
-
-    def _register(self, client: Client, msg: m.Register) -> m.Reply:
-        fp = msg.fingerprint
-        check_register(client, msg)  # before the tenant exists: a refusal leaves nothing
-        pages = fp.rank_page_bytes
-        digest = fingerprint_digest(msgspec.structs.asdict(fp))
-        try:
-            self.index.allocator.check_slot_bytes(sum(pages) * fp.tp_size)
-        except AllocatorError as e:
-            raise RequestError(str(e)) from None
-        if msg.rank >= 0:
-            # Before a tenant is made or another dropped to make room for it: a Register
-            # refused for its memory changes nothing.
-            attach_memory(self.engines, client, tuple(pages), msg)
-        try:
-            tenant = self.tenants.find(digest)
-            if tenant is None:
-                self._make_room_for_a_tenant()
-                tenant = self.tenants.create(
-                    digest, model=fp.model, tp_size=fp.tp_size, rank_page_bytes=tuple(pages),
-                    block_tokens=fp.block_tokens)
-                if self.persist is not None:
-                    self.persist.tenant_added(tenant)
-        except TenantError as e:
-            if client.engine is not None:  # what attach opened closes with the refusal
-                client.engine.detach(client.id)
-                client.engine = None
-            raise RequestError(str(e)) from None
-        client.tenant, client.rank = tenant, msg.rank
-        if tenant.block_tokens != fp.block_tokens:  # restored from an older journal
-            tenant.block_tokens = fp.block_tokens
-            if self.persist is not None:
-                self.persist.tenant_added(tenant)
-        tenant.clients.add(client.id)
-        log.info("client %d (pid %d, %s) joined tenant %d (%s) as rank %d%s", client.id,
-                 client.pid, client.name or "-", tenant.id, tenant.model, msg.rank,
-                 f", copying itself: {msg.client_copy_reason}" if msg.client_copy else "")
-        if not msg.client_copy:
-            return m.Registered(msg.req, tenant.id, tenant.slot_bytes, tenant.rank_bytes)
-        alloc = self.index.allocator
-        return m.Registered(msg.req, tenant.id, tenant.slot_bytes, tenant.rank_bytes,
-                            self.pool.path, alloc.extent_bytes, alloc.slots_per_extent_max)
-
-    def _make_room_for_a_tenant(self) -> None:
-        """At the tenant limit a tenant no client uses gives up its place (and its blocks
-        in RAM): engines restarted with new fingerprints (a random root hash without
-        PYTHONHASHSEED, new weights) must not be refused for good. Its blocks could
-        only serve an engine of the same fingerprint, which then gets a new tenant; the
-        tiers find theirs again by the fingerprint's digest."""
-        for t, n in self.tenants.make_room(self.index.evict_tenant):
-            self.index.forget(t)
-            if self.persist is not None:
-                self.persist.tenant_dropped()
-            log.info("tenant %d (%s), without clients, dropped with %d blocks: the tenant "
-                     "limit (%d) is reached", t.id, t.model, n, self.tenants.max_tenants)
-
-    # ------------------------------------------------------------ index
-    def _check_keys(self, keys: list[bytes], depth: int, length: int = 0) -> None:
-        if not (0 <= depth and depth + len(keys) <= MAX_DEPTH and 0 <= length <= MAX_DEPTH):
-            raise RequestError(f"depth {depth} / length {length} with {len(keys)} keys: "
-                               f"positions must lie in 0..{MAX_DEPTH}")
-        if len(keys) > self.config.max_keys_per_request:
-            raise RequestError(f"{len(keys)} keys in one request; at most "
-                               f"{self.config.max_keys_per_request}")
-        if keys and max(map(len, keys)) > MAX_KEY:
-            raise RequestError(f"a key is longer than {MAX_KEY} bytes")
-
-    def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
-        self._check_keys(msg.keys, msg.depth)
-        stalled = self.transfers.stalled  # a hit's load would wait out its deadline
-        room = self.config.max_leased_blocks - self.index.leased_by.get(client.id, 0)
-        if room <= 0 and not stalled:
-            raise KvdError(f"lease quota of {self.config.max_leased_blocks} blocks reached; "
-                           "release leases first", m.Code.BUSY)
-        # Every key asked counts, once, here (the hit ratio's denominator): the keys past
-        # the lease quota and all of a stalled lookup's are asked and missed.
-        counters, tokens = self.counters, tenant.block_tokens
-        counters.lookups += 1
-        counters.lookup_keys += len(msg.keys)
-        counters.lookup_tokens += len(msg.keys) * tokens
-        if stalled:
-            counters.stalled_lookups += 1
-            return m.LookupOk(msg.req, 0, b"", 0, 0)
-        # The hit run is leased, so it ends where the quota does: a longer request gets
-        # the hits that fit (its tail is computed), not a refusal.
-        keys = msg.keys if len(msg.keys) <= room else msg.keys[:room]
-        # Hits are always leased (1 ms at least): a load names the lease, and one whose
-        # lease is gone is refused, as its slots may hold other blocks by then.
-        lease_s = min(max(msg.lease_ms, 1), self.config.max_lease_ms) / 1000
-        hits, slots, lease, pending = self.index.lookup(
-            tenant, keys, owner=client.id, depth=msg.depth, now=self.clock(),
-            lease_s=lease_s)
-        counters.hit_tokens += hits * tokens
-        reply = m.LookupOk(msg.req, hits, pack_u32(slots), lease, pending)
-        if self.tiering is not None and hits + pending < len(keys):
-            identity = client.identity
-            return self.tiering.lookup(tenant, keys, msg.depth, reply,
-                                       lambda r: self.send(identity, r))
-        return reply
-
-    def _allocate(self, client: Client, tenant: Tenant, msg: m.Allocate) -> m.Reply:
-        if msg.ticket and self.transfers.ticket_in_use(tenant, msg.ticket):
-            raise RequestError(f"ticket {msg.ticket} is in use; pick another")
-        now = self.clock()
-        pending_s = min(max(msg.pending_ms, 1), self.config.max_pending_ms) / 1000
-        try:
-            self._check_keys(msg.keys, msg.depth, msg.length)
-            if len(msg.parent) > MAX_KEY:
-                raise RequestError(f"a parent key is longer than {MAX_KEY} bytes")
-            if missing := self._ranks_missing(tenant):
-                raise KvdError(f"no worker of this model is registered as rank"
-                               f"{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
-                               ": nobody would copy the "
-                               "blocks (was its Register refused?); stores are skipped",
-                               m.Code.BUSY)
-            if self.transfers.stalled:  # its copy would not run; the engine holds the blocks
-                raise KvdError("copies are overdue (the copy path is stuck): stores are "
-                               "refused until they end", m.Code.BUSY)
-            if self.pool_fault:  # what it stored would be dropped at the next tick
-                raise KvdError(f"the pool file {self.pool_fault}: stores are refused until "
-                               "it is whole again", m.Code.BUSY)
-            # Three quarters of the pool at most per tenant, whatever its connections:
-            # a scheduler that never stores (or several of one fingerprint) must not
-            # hold every slot PENDING, evicting every tenant's blocks.
-            pending = self.index.pending_by
-            share = max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4)
-            room = min(self.config.max_pending_blocks - pending.get(client.id, 0),
-                       share - sum(pending.get(c, 0) for c in tenant.clients))
-            if room <= 0:
-                raise KvdError(f"pending-store quota reached (max_pending_blocks "
-                               f"{self.config.max_pending_blocks} per connection, 3/4 of the "
-                               f"pool, {share} blocks, per tenant); finish or abort stores "
-                               "first", m.Code.BUSY)
-        except KvdError:
-            if msg.ticket:  # the workers' stores by it end at once, copying nothing,
-                # instead of waiting for an allocation that will never come
-                self.transfers.add_ticket(tenant, msg.ticket,
-                                          np.full(len(msg.keys), NO_SLOT, dtype=np.uint32),
-                                          now + pending_s)
-            raise
-        # Only the first `room` keys may get slots (keys already stored take none).
-        res = self.index.allocate(tenant, msg.keys[:room], owner=client.id, depth=msg.depth,
-                                  length=msg.length, now=now, pending_s=pending_s,
-                                  # a parent unlike the keys is not one of them: unknown
-                                  parent=(msg.parent if msg.keys
-                                          and len(msg.parent) == len(msg.keys[0]) else None),
-                                  chained=msg.chained)
-        # What this evicted is copied down (and journaled) before a Transfer that
-        # overtook the Allocate starts writing into the slots: add_ticket runs it now.
-        self.commit()
-        if msg.ticket:  # the rest of the keys get no slot: their blocks are skipped
-            slots = np.full(len(msg.keys), NO_SLOT, dtype=np.uint32)
-            slots[:len(res.slots)] = res.slots
-            self.transfers.add_ticket(tenant, msg.ticket, slots, now + pending_s)
-        slots = np.array(res.slots, dtype=np.uint32)
-        gens = np.zeros(len(slots), dtype=np.uint32)
-        got = slots != NO_SLOT
-        gens[got] = self.index.gen[slots[got].astype(np.int64)]
-        return m.Allocated(msg.req, slots.tobytes(), res.evicted, res.allocated,
-                           gens.tobytes())
-
-    def _ranks_missing(self, tenant: Tenant) -> list[int]:
-        """Ranks no client of ``tenant`` registered memory for. Until each has one, no
-        block can be stored whole: slots allocated now would only evict other blocks
-        and wait out their pending time (a scheduler whose workers were refused)."""
-        have = {c.rank for c in self.clients.values() if c.tenant is tenant}
-        return [r for r in range(tenant.tp_size) if r not in have]
-
-    def _release(self, client: Client, msg: m.Release) -> m.Reply:
-        if self.index.lease_owner(msg.lease) not in (None, client.id):
-            raise BadIds(f"lease {msg.lease} belongs to another client")
-        slots = None
-        if msg.slots:
-            self._check_ids(msg.slots)
-            try:
-                slots = unpack_u32(msg.slots).astype(np.int64)
-            except ValueError as e:
-                raise BadIds(str(e)) from None
-        return m.Ok(msg.req, int(self.index.release(msg.lease, slots=slots)))
-
-    def _check_ids(self, packed: bytes) -> None:
-        """Slot ids a request names are capped as a Transfer's are (4 M ids were 0.2 s of
-        the loop's time)."""
-        if len(packed) > 4 * self.config.max_keys_per_request:
-            raise BadIds(f"{len(packed) // 4} slot ids in one request; at most "
-                         f"{self.config.max_keys_per_request}")
 
     # ------------------------------------------------------------ housekeeping
     def idle(self) -> None:
@@ -578,4 +280,3 @@ class Service:
         doc["counters"].update(tc)
         doc["pool"]["fault"] = self.pool_fault
         return doc
-

@@ -12,11 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.clients import Client
 from kvd.core.index import Index
 from kvd.core.tenants import Tenants
+from kvd.counters import Counters
 from kvd.persist import Persistence
 from kvd.pool import Pool
-from kvd.transfers import Client, Counters
 from kvd_proto import messages as m
 
 

@@ -1,8 +1,8 @@
 """A Transfer's whole life in the daemon, from its arrival to its one Done.
 
 ``Transfers`` owns it: ``accept`` checks a Transfer (slots of the sender's tenant in the
-right state, block ids inside its registered memory, a ticket's slots, the deadline),
-builds the copy job with numpy and hands it to the client's engine; ``complete`` (on
+right state, block ids inside its registered memory, a ticket's slots, the deadline);
+``kvd.copy_jobs`` builds the copy job, handed to the client's engine; ``complete`` (on
 the loop, once per job) publishes READY or gives a failed store up and pushes the Done.
 ``done`` builds every Done the daemon sends. Exactly once, decided here: a Transfer
 ends by ``accept`` answering at once, by ``complete``, or by its parked ticket expiring.
@@ -18,16 +18,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvd.clients import Client
 from kvd.config import Config
-from kvd.core.index import PENDING, READY, Index
-from kvd.core.states import FREE, NO_SLOT
+from kvd.copy_jobs import build_job, check_blocks, named_slots, own_slots
+from kvd.core.index import PENDING, Index
+from kvd.core.states import NO_SLOT
 from kvd.core.tenants import Tenant
 from kvd.core.tickets import TicketError, Tickets
-from kvd.engines.base import ChecksumSpec, CopyJob, TransferEngine, expired
+from kvd.counters import Counters
+from kvd.engines.base import CopyJob, expired
 from kvd.errors import BadIds, KvdError, NotRegistered, RequestError
 from kvd_proto import messages as m
 from kvd_proto.ids import unpack_u32
@@ -38,100 +40,7 @@ TICKET_WAIT_S = 2.0  # how long a Transfer waits for the Allocate whose ticket i
 # message's own size): a worker parks a step's stores at most, a few hundred KiB.
 MAX_PARKED_BYTES = 4 << 20
 PARKED_OVERHEAD = 256
-# Copy segments (blocks x registered tensors) of one Transfer: its address arrays are
-# built on the loop, about 0.1 s per million (an engine's largest step is well below).
-MAX_SEGMENTS = 1 << 22
 Send = Callable[[bytes, m.Reply], None]
-
-
-def _lease_gone(lease: int) -> KvdError:
-    return KvdError(f"lease {lease} of this load is gone (lapsed, released, or of another "
-                    "kvd run): its slots may hold other blocks", m.Code.EXPIRED)
-
-
-@dataclass(eq=False)
-class Client:
-    id: int
-    identity: bytes
-    pid: int
-    name: str = ""
-    hello_pid: int = 0  # the pid the client says it has (differs across PID namespaces)
-    peer_pid: int = 0  # the pid the kernel reports for the socket's peer (0: it did not)
-    address: str = ""  # the connection's credentials at Hello (``access.peer_address``)
-    parked_bytes: int = 0  # of its Transfers waiting for their Allocate (MAX_PARKED_BYTES)
-    tenant: Tenant | None = None
-    rank: int = -1
-    engine: TransferEngine | None = None
-    bases: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-    strides: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-    num_blocks: int = 0
-    inflight: int = 0
-    gone: bool = False
-    # It said Bye and reads on until its Transfers' Dones came (its close waits for
-    # them): those still go out, the rest of its replies do not.
-    said_bye: bool = False
-    requests: int = 0
-    uid: int = -1
-    gid: int = -1
-    admin: bool = False
-    last_seen: float = 0.0
-
-    @property
-    def kind(self) -> str:
-        """What the connection is, for operators: an engine's scheduler, one of its
-        workers (by rank), or a connection without a tenant (kvdctl, or an engine still
-        in its handshake)."""
-        if self.tenant is None:
-            return "admin" if self.name.startswith("kvdctl") else "unregistered"
-        return "scheduler" if self.rank < 0 else f"worker{self.rank}"
-
-
-@dataclass
-class Counters:
-    requests: int = 0
-    errors: int = 0
-    loaded_blocks: int = 0
-    loaded_bytes: int = 0
-    stored_bytes: int = 0
-    failed_transfers: int = 0
-    expired_transfers: int = 0
-    unclaimed_blocks: int = 0  # slots of stores not every rank made, given back (tickets)
-    corrupt_blocks: int = 0
-    lookups: int = 0  # Lookups answered (a BUSY refusal is an error, not a lookup)
-    lookup_keys: int = 0  # blocks they asked for, hit or not
-    stalled_lookups: int = 0  # answered as misses while copies were overdue
-    lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
-    hit_tokens: int = 0
-    by_code: dict[str, int] = field(default_factory=dict)  # errors by Code name
-
-    def error(self, code: m.Code) -> None:
-        self.errors += 1
-        name = m.Code(code).name
-        self.by_code[name] = self.by_code.get(name, 0) + 1
-
-
-def own_slots(index: Index, tenant: Tenant, packed: bytes | np.ndarray,
-              state: int) -> np.ndarray:
-    """Slot ids (from the wire, or a ticket), checked: in range, ``tenant``'s, in
-    ``state``."""
-    try:
-        ids = unpack_u32(packed) if isinstance(packed, bytes) else packed
-    except ValueError as e:
-        raise BadIds(str(e)) from None
-    slots = ids.astype(np.int64)
-    if slots.size and int(slots.max()) >= index.allocator.max_slots:
-        raise BadIds(f"slot id {int(slots.max())} out of range")
-    if slots.size > 1:  # (a load naming one slot 65,536 times would copy 256 GiB)
-        ordered = np.sort(slots)  # a quarter of np.unique's cost on a Transfer's ids
-        if (ordered[1:] == ordered[:-1]).any():
-            raise BadIds("a slot is named twice in one transfer")
-    bad = (index.tenant_of[slots] != tenant.id) | (index.state[slots] != state)
-    if bad.any():
-        s = int(slots[np.argmax(bad)])
-        want = "PENDING" if state == PENDING else "READY"
-        raise BadIds(f"slot {s} is not a {want} slot of this tenant")
-    return slots
 
 
 class Transfers:
@@ -284,35 +193,16 @@ class Transfers:
                 return self.done(client, msg)
             slots = own_slots(self.index, tenant, ticketed, PENDING)
         else:
-            lease = 0 if store else msg.lease
-            if lease and not self.index.has_lease(lease):  # said before its slots' state:
-                raise _lease_gone(lease)  # they may be free or hold others by now
-            try:
-                slots = own_slots(self.index, tenant, msg.slots, PENDING if store else READY)
-            except BadIds:
-                if store:
-                    self._check_ended(tenant, msg.slots, msg.gens)
-                raise
-            if store:
-                self._check_gens(slots, msg.gens)
-            if lease and not self.index.leased(lease, slots):
-                raise _lease_gone(lease)
-        if len(blocks) != len(slots):
-            raise BadIds(f"{len(blocks)} block ids for {len(slots)} slots")
-        if len(blocks) * len(client.bases) > MAX_SEGMENTS:
-            raise RequestError(f"{len(blocks)} blocks of {len(client.bases)} tensors are "
-                               f"over {MAX_SEGMENTS} copy segments for one Transfer; "
-                               "send fewer blocks per Transfer")
-        if blocks.size and int(blocks.max()) >= client.num_blocks:
-            raise BadIds(f"block id {int(blocks.max())} beyond the registered "
-                         f"{client.num_blocks} blocks")
+            slots = named_slots(self.index, tenant, msg, store)
+        check_blocks(client, blocks, slots)
         if store and slots.size:
             done = ((self.index.rank_mask[slots] | self.writing[slots])
                     >> np.uint64(client.rank)) & np.uint64(1)
             if done.any():
                 raise BadIds(f"rank {client.rank} already stored (or is storing) slot "
                              f"{int(slots[np.argmax(done)])}")
-        job = self._job(client, tenant, msg, blocks, slots)
+        job = build_job(self.config, self.index, self.pool_base, client, tenant, msg, blocks,
+                        slots)
         if store and slots.size:  # cleared by _settle, which every accepted job reaches
             self.writing[slots] |= np.uint64(1 << client.rank)
         self.index.pin(slots)
@@ -338,72 +228,6 @@ class Transfers:
         if gens is not None:
             held = held[self.index.gen[held] == gens[live]]
         self.index.abort(held)
-
-    def _check_gens(self, slots: np.ndarray, packed: bytes) -> None:
-        """A slot-named store names the allocation it was given (``Allocated.gens``):
-        the same slot id, given up and handed out again since, belongs to another key
-        now. Without gens (an older client) the sender is trusted on it."""
-        if not packed:
-            return
-        try:
-            gens = unpack_u32(packed)
-        except ValueError as e:
-            raise BadIds(str(e)) from None
-        if len(gens) != len(slots):
-            raise BadIds(f"{len(gens)} gens for {len(slots)} slots")
-        moved = self.index.gen[slots] != gens
-        if moved.any():
-            raise KvdError(f"slot {int(slots[np.argmax(moved)])} was given up and handed out "
-                           "again since its Allocate: the store would land in another "
-                           "block", m.Code.EXPIRED)
-
-    def _check_ended(self, tenant: Tenant, packed: bytes, packed_gens: bytes) -> None:
-        """A store refused for its slots' state: EXPIRED when its gens show that their
-        allocation ended meanwhile (its pending time passed or it was given up: the slot
-        is free now, or this tenant's again), as ``_check_gens`` says when the tenant
-        has it pending again; BAD_IDS ("fix the caller") otherwise: gens never handed
-        out, and another tenant's slots, whose state this tenant must not learn."""
-        try:
-            slots = unpack_u32(packed).astype(np.int64)
-            gens = unpack_u32(packed_gens)
-        except ValueError:
-            return
-        index = self.index
-        if not len(slots) or len(gens) != len(slots) \
-                or int(slots.max()) >= index.allocator.max_slots:
-            return
-        gen, state = index.gen[slots], index.state[slots]
-        if ((gens == 0) | (gens > gen)).any() \
-                or ((state != FREE) & (index.tenant_of[slots] != tenant.id)).any():
-            return
-        ended = (gens < gen) | (state == FREE)
-        if ended.any():
-            raise KvdError(f"slot {int(slots[np.argmax(ended)])}'s allocation ended before "
-                           "this store (its pending time passed, or it was given up)",
-                           m.Code.EXPIRED)
-
-    def _job(self, client: Client, tenant: Tenant, msg: m.Transfer, blocks: np.ndarray,
-             slots: np.ndarray) -> CopyJob:
-        """Address arrays (numpy, no per-block loop) for the engine."""
-        slot_off = self.index.allocator.offsets(slots, tenant.slot_bytes).astype(np.uint64)
-        page_off = np.array(tenant.page_offsets, dtype=np.uint64)
-        rank_off = np.uint64(max(client.rank, 0) * tenant.rank_bytes)
-        pool = np.uint64(self.pool_base) + rank_off + slot_off[:, None] + page_off[None, :]
-        remote = client.bases[None, :] + blocks[:, None] * client.strides[None, :]
-        lengths = np.broadcast_to(client.pages, remote.shape)
-        deadline = msg.deadline_ns / 1e9 if msg.deadline_ns else math.inf
-        job = CopyJob(client.id, msg.event, msg.req, msg.direction, client.pid, pool.ravel(),
-                      remote.ravel(), lengths.ravel().copy(), slots, msg.cuda_event,
-                      deadline, uid=client.uid)
-        if self.config.checksums:
-            share = (slot_off + rank_off).astype(np.int64)
-            if msg.direction == m.Direction.STORE:
-                job.checksum = ChecksumSpec(share, tenant.rank_bytes)
-            elif self.config.verify_on_load:
-                sums, r = self.index.checksums, max(client.rank, 0)
-                expect = [sums.get(s, [0] * (r + 1))[r] for s in slots.tolist()]
-                job.checksum = ChecksumSpec(share, tenant.rank_bytes, expect)
-        return job
 
     # ------------------------------------------------------------ tickets
     def ticket_in_use(self, tenant: Tenant, ticket: int) -> bool:

@@ -266,7 +266,9 @@ def test_transfers_released_by_their_allocate_each_get_one_done_despite_a_bug(se
         parked = service.handle(b"w", peer, m.Transfer(10 + event, event, m.Direction.STORE,
                                                        pack_u32([0]), b"", ticket=42))
         assert parked is None
-    real = service.transfers._job
+    from kvd import transfers
+
+    real = transfers.build_job
     calls = []
 
     def broken_once(*args):
@@ -275,7 +277,7 @@ def test_transfers_released_by_their_allocate_each_get_one_done_despite_a_bug(se
             raise RuntimeError("injected")
         return real(*args)
 
-    monkeypatch.setattr(service.transfers, "_job", broken_once)
+    monkeypatch.setattr(transfers, "build_job", broken_once)
     allocated = service.handle(b"w", peer, m.Allocate(20, [b"k"], ticket=42))
     assert isinstance(allocated, m.Allocated)
     assert [(d.event, d.code) for d in pushed] == [(1, m.Code.INTERNAL)]
@@ -423,17 +425,17 @@ def test_a_transfer_of_too_many_copy_segments_is_refused_before_the_loop_builds_
         service, monkeypatch):
     """4,096 one-byte tensors times 8,192 blocks made 33.5 M copy segments, built on the
     event loop: other clients' replies waited 6 s. Now such a Transfer is refused."""
-    from kvd import transfers
+    from kvd import copy_jobs
 
     peer, _mem = registered(service, b"w", seed=13)  # two tensors
     got = service.handle(b"w", peer, m.Allocate(3, [b"k%d" % i for i in range(8)]))
     assert isinstance(got, m.Allocated) and got.allocated == 8
-    monkeypatch.setattr(transfers, "MAX_SEGMENTS", 15)
+    monkeypatch.setattr(copy_jobs, "MAX_SEGMENTS", 15)
     done = service.handle(b"w", peer, m.Transfer(4, 1, m.Direction.STORE, pack_u32(range(8)),
                                                  got.slots, gens=got.gens))
     assert isinstance(done, m.Done) and done.code == m.Code.BAD_REQUEST
     assert "copy segments" in done.message and service.index.pinned_blocks == 0
-    monkeypatch.setattr(transfers, "MAX_SEGMENTS", 16)
+    monkeypatch.setattr(copy_jobs, "MAX_SEGMENTS", 16)
     assert service.handle(b"w", peer, m.Transfer(5, 2, m.Direction.STORE, pack_u32(range(8)),
                                                  got.slots, gens=got.gens)) is None
 

@@ -1,0 +1,94 @@
+"""Operator requests (kvdctl: Evict, Flush, GetConfig, Reload) and a reload applied to
+the running service, connected clients' access included. They need a Hello, not a tenant.
+
+Part of ``kvd.service.Service`` (event loop only); the annotations name the service
+state these handlers use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from kvd.access import ACCESS_KEYS, Access, Peer
+from kvd.clients import Client
+from kvd.config import Config
+from kvd.core.index import Index
+from kvd.core.tenants import Tenants
+from kvd.errors import RequestError
+from kvd.events import held_commits
+from kvd.publisher import KvEvents
+from kvd.transfers import Send, Transfers
+from kvd_proto import messages as m
+
+log = logging.getLogger("kvd.service")  # handlers log as the service
+
+
+class AdminRequests:
+    config: Config
+    index: Index
+    tenants: Tenants
+    transfers: Transfers
+    clients: dict[bytes, Client]
+    kv_events: KvEvents | None
+    origins: dict[str, str]
+    send: Send
+    reloader: Callable[[Callable[[m.Code, str], None]], None] | None
+    access: Access
+    commit: Callable[[], None]
+    client_gone: Callable[[bytes, str], None]
+
+    def _reload(self, identity: bytes, req: int) -> None:
+        """kvdctl reload: answered once the configuration is read and applied or refused
+        (the lifecycle's reload, as on SIGHUP)."""
+        if self.reloader is None:
+            raise RequestError("this daemon cannot reload (no configuration source)")
+
+        def answer(code: m.Code, summary: str) -> None:  # (not a protocol error: uncounted)
+            self.send(identity, m.Reloaded(req, summary) if code == m.Code.OK
+                      else m.Error(req, code, summary))
+
+        self.reloader(answer)
+
+    def _admin(self, msg: m.Evict | m.Flush | m.GetConfig) -> m.Reply:
+        """Operator requests (kvdctl); they need a Hello, not a tenant."""
+        if isinstance(msg, m.GetConfig):
+            values = msgspec.json.encode(self.config)
+            return m.ConfigOk(msg.req, values, dict(self.origins))
+        tenant = -1 if isinstance(msg, m.Flush) else msg.tenant
+        target = None if tenant == -1 else self.tenants.get(tenant)
+        if tenant != -1 and target is None:
+            raise RequestError(f"no tenant {tenant}")
+        n = self.index.evict_tenant(target)
+        if target is None and self.kv_events is not None:
+            self.commit()
+            self.kv_events.clear(held_commits(self.index.live_blocks()))
+        log.info("admin %s: evicted %d blocks", type(msg).__name__.lower(), n)
+        return m.Ok(msg.req, n)
+
+    def reconfigure(self, config: Config) -> None:
+        """SIGHUP: the new config's live keys apply from the next request on (the
+        lifecycle decides which keys are live; parts that cache a value refresh here)."""
+        old, self.config = self.config, config
+        self.transfers.config = config
+        self.tenants.max_tenants = config.max_tenants
+        if any(getattr(old, k) != getattr(config, k) for k in ACCESS_KEYS):
+            self._recheck_access()
+
+    def _recheck_access(self) -> None:
+        """Apply changed access rules to the clients already connected: one whose uid
+        (or group) is no longer allowed is forgotten as if it went away (its leases and
+        stores released; its next request is told to Hello, which is refused), and
+        admin rights follow ``admin_uids``. Only when those rules changed: a group
+        membership is read from /proc, which a reload of another key must not risk."""
+        access = self.access
+        for client in list(self.clients.values()):
+            peer = Peer(client.peer_pid, client.uid, client.gid)
+            if not access.allowed(peer):
+                log.warning("uid %d (pid %d) is no longer allowed: dropping client %d",
+                            client.uid, client.pid, client.id)
+                self.client_gone(client.identity, "no longer allowed")
+            else:
+                client.admin = access.admin(peer)
