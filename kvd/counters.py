@@ -21,6 +21,7 @@ class Counters:
     lookups: int = 0  # Lookups answered (a BUSY refusal is an error, not a lookup)
     lookup_keys: int = 0  # blocks they asked for, hit or not
     stalled_lookups: int = 0  # answered as misses while copies were overdue
+    quota_cut_keys: int = 0  # keys of Allocates past the pending-store quota: no slot
     lookup_tokens: int = 0  # blocks asked for x the tenant's block_tokens
     hit_tokens: int = 0
     by_code: dict[str, int] = field(default_factory=dict)  # errors by Code name

@@ -69,6 +69,9 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvd_expired_leases", "expired_leases", "Leases dropped at their deadline"),
     ("kvd_expired_pending", "expired_pending", "Pending stores dropped at their deadline"),
     ("kvd_no_space", "no_space", "Allocations that found no room"),
+    ("kvd_quota_cut_keys", "quota_cut_keys",
+     "Keys of Allocates past the pending-store quota (per connection, or 3/4 of the pool "
+     "per tenant), given no slot"),
     # Tiers below the pool (README "Tiers").
     ("kvd_demoted_blocks", "demoted_blocks", "Evicted blocks kept by the disk tier"),
     ("kvd_demote_dropped_blocks", "demote_dropped",

@@ -88,6 +88,7 @@ def status_document(svc: Sources) -> dict:
             "unclaimed_blocks": svc.counters.unclaimed_blocks,
             "corrupt_blocks": svc.counters.corrupt_blocks,
             "stalled_lookups": svc.counters.stalled_lookups,
+            "quota_cut_keys": svc.counters.quota_cut_keys,
             "expired_leases": c.expired_leases, "expired_pending": c.expired_pending,
             "no_space": c.no_space,
             "lookup_tokens": svc.counters.lookup_tokens,

@@ -15,6 +15,7 @@ from kvd.config import Config
 from kvd.core.index import PENDING, Index
 from kvd.core.states import NO_SLOT
 from kvd.core.tenants import Tenant
+from kvd.counters import Counters
 from kvd.copy_jobs import own_slots
 from kvd.errors import BadIds, KvdError, RequestError
 from kvd.request_limits import MAX_KEY, check_ids, check_keys
@@ -24,6 +25,7 @@ from kvd_proto import messages as m
 
 class StoreRequests:
     config: Config
+    counters: Counters
     index: Index
     transfers: Transfers
     clients: dict[bytes, Client]
@@ -59,6 +61,7 @@ class StoreRequests:
             share = max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4)
             room = min(self.config.max_pending_blocks - pending.get(client.id, 0),
                        share - sum(pending.get(c, 0) for c in tenant.clients))
+            self.counters.quota_cut_keys += max(0, len(msg.keys) - max(room, 0))
             if room <= 0:
                 raise KvdError(f"pending-store quota reached (max_pending_blocks "
                                f"{self.config.max_pending_blocks} per connection, 3/4 of the "

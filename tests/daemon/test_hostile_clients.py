@@ -320,15 +320,20 @@ def test_one_tenant_holds_at_most_three_quarters_of_the_pool_pending(service):
     peer = peers[b"hog"]
     tenant = service.clients[b"hog"].tenant
     quota = service.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4
-    got = 0
+    got = asked = 0
     for req in range(10, 10 + 3 * quota // 64):  # twice what the pool holds
         reply = service.handle(b"hog", peer, m.Allocate(
             req, [f"h{req}-{i}".encode() for i in range(64)], pending_ms=600_000))
+        asked += 64
         if isinstance(reply, m.Error):
             assert reply.code == m.Code.BUSY and "3/4 of the pool" in reply.message
             break
         got += reply.allocated
     assert got == quota == service.index.pending_blocks
+    # The keys past the quota, in the Allocate it cut short and the one it refused, are
+    # counted (``no_space`` is for a pool with no room: it said nothing of them).
+    assert service.counters.quota_cut_keys == asked - got > 64
+    assert service.index.counters.no_space == 0
     reply = service.handle(b"hog2", peers[b"hog2"], m.Allocate(
         3, [b"g%d" % i for i in range(64)], pending_ms=600_000))
     assert isinstance(reply, m.Error) and reply.code == m.Code.BUSY
