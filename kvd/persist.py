@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -166,11 +167,14 @@ class Persistence:
                 over -= 1
 
     def snapshot(self, index: Index, tenants: Tenants) -> list[Record]:
-        out: list[Record] = [self.header]
-        out += [_tenant_rec(t) for t in tenants]
-        out += [Commit(tid, key, slot, depth, sums, parent or b"")
-                for tid, key, slot, depth, sums, parent in index.live_blocks()]
-        return out
+        return self._snapshot_later(index, tenants)()
+
+    def _snapshot_later(self, index: Index, tenants: Tenants) -> Callable[[], list[Record]]:
+        """The snapshot as of now, made by the function returned on any thread."""
+        head: list[Record] = [self.header, *map(_tenant_rec, tenants)]
+        blocks = index.copy_live_blocks()
+        return lambda: head + [Commit(tid, key, slot, depth, sums, parent or b"")
+                               for tid, key, slot, depth, sums, parent in blocks()]
 
     # ------------------------------------------------------------ running
     def tenant_added(self, t: Tenant) -> None:
@@ -221,19 +225,24 @@ class Persistence:
             if not j.gone():
                 return
             log.warning("journal %s was removed; writing it again", j.path)
-        snap = self.snapshot(index, tenants)  # taken on the loop: consistent
+        # The tables are copied on the loop (consistent); the records are made and
+        # written on the thread.
+        snap = self._snapshot_later(index, tenants)
         self._dirty = False
         self._backlog = []
         self._compacting = threading.Thread(target=self._compact, args=(snap,),
                                             name="kvd-compact", daemon=True)
         self._compacting.start()
 
-    def _compact(self, snap: list[Record]) -> None:
+    def _compact(self, snap: Callable[[], list[Record]]) -> None:
         try:
             assert self.journal is not None
-            self.journal.write_snapshot(snap)
+            self.journal.write_snapshot(snap())
         except OSError as e:
             self._failed = e.strerror or str(e)
+        except Exception as e:  # noqa: BLE001 - no swap of a snapshot never written
+            log.exception("journal snapshot failed")
+            self._failed = repr(e)
 
     def finish_compaction(self) -> None:
         """On the loop: when the snapshot is written, add what came meanwhile and swap."""

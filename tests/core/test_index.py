@@ -461,3 +461,24 @@ def test_abort_takes_each_pending_slot_once_and_nothing_else():
     assert ix.counters.failed_stores == 3 and ix.allocator.used_slots == 3
     assert ix.lookup(t, [k(0)])[0] == 1
     assert ix.abort(np.array(pending, dtype=np.int64)) == 2 and not ix.pending_by
+
+
+def test_a_copy_of_the_live_blocks_made_later_is_the_index_as_it_was():
+    """A journal compaction copies the tables on the loop and makes the records on a
+    thread, while the loop goes on changing the index: what it makes must be the
+    blocks as of the copy (a slot evicted and reused, checksums and parents of both)."""
+    a = Allocator(8 * BLOCK, 4 * BLOCK, 1024)
+    ix = Index(a, make_policy("lru", 8), record=True)
+    t = Tenants().get_or_create("t", model="m", tp_size=1, rank_page_bytes=(BLOCK,))
+    r = ix.allocate(t, [k(i) for i in range(6)], parent=k(99))
+    ix.store_done(np.array(r.slots, dtype=np.int64), 0, checksums=list(range(6)))
+    ix.allocate(t, [k(50)])  # PENDING: not a live block
+    before = ix.live_blocks()
+    assert [b[1] for b in before] == [k(i) for i in range(6)]
+    assert before[0][5] == k(99) and before[1][5] == k(0) and before[2][4] == [2]
+    later = ix.copy_live_blocks()
+    ix.evict_tenant(t)  # every slot freed, then taken by other keys
+    r = ix.allocate(t, [k(i) for i in range(10, 16)])
+    ix.store_done(np.array(r.slots, dtype=np.int64), 0, checksums=[7] * 6)
+    assert [b[1] for b in ix.live_blocks()] == [k(i) for i in range(10, 16)]
+    assert later() == before
