@@ -393,20 +393,26 @@ def _hidden_problems(layers: list[tuple[str, dict[str, Any]]],
             return str(e)
         return ""
 
+    def hidden_by(values: dict[str, Any], hiders: list[int]) -> list[str]:
+        return sorted(k for k in values if any(
+            k in layers[j][1] and layers[j][1][k] != values[k] for j in hiders))
+
     problems = []
     for i, (source, values) in enumerate(layers):
-        for j in range(i + 1, len(layers)):
-            hider, hiding = layers[j]
-            hidden = sorted(k for k in values.keys() & hiding.keys() if values[k] != hiding[k])
-            if not hidden:
-                continue
-            without = {k: v for n, (_, layer) in enumerate(layers) if n != j
+        above = [j for j in range(i + 1, len(layers)) if hidden_by(values, [j])]
+        # Each hiding source left out alone; then all of them at once (a value hidden
+        # by a variable and a flag both is still hidden with either one gone).
+        for hiders in [[j] for j in above] + ([above] if len(above) > 1 else []):
+            hidden = hidden_by(values, hiders)
+            without = {k: v for n, (_, layer) in enumerate(layers) if n not in hiders
                        for k, v in layer.items()}
             why = refused(without)
             if why and not refused({k: v for k, v in without.items() if k not in hidden}
                                    | {k: v for n, (_, layer) in enumerate(layers)
                                       if n < i for k, v in layer.items() if k in hidden}):
                 said = ", ".join(f"{k} = {values[k]!r}" for k in hidden)
-                problems.append(f"{source}: {said} would be refused without the {hider}'s "
-                                f"value ({why}); hidden by it for now")
+                names = " and the ".join(f"{layers[j][0]}'s" for j in hiders)
+                problems.append(f"{source}: {said} would be refused without the {names} "
+                                f"value{'s' * (len(hiders) > 1)} ({why}); hidden for now")
+                break  # once per source
     return problems

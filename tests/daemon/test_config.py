@@ -266,3 +266,16 @@ def test_a_hidden_value_is_warned_of_only_where_it_is_the_cause(tmp_path, caplog
     with caplog.at_level("WARNING", logger="kvd.config"):  # pool_size is not the cause
         load(str(f), {"KVD_DISK_SIZE": "100G", "KVD_POOL_SIZE": "16G"})
     assert not [r for r in caplog.records if r.name == "kvd.config"]
+
+
+def test_a_bad_value_hidden_by_a_variable_and_a_flag_both_is_warned_of(tmp_path, caplog):
+    """Left out one at a time, each hiding source still had the other hiding the file's
+    value, so nothing was said; the file stops the daemon once both go."""
+    f = tmp_path / "kvd.toml"
+    f.write_text("max_lease_ms = 0\n")
+    with caplog.at_level("WARNING", logger="kvd.config"):
+        cfg, origin = load(str(f), {"KVD_MAX_LEASE_MS": "100"}, {"max_lease_ms": 200})
+    assert cfg.max_lease_ms == 200 and origin["max_lease_ms"] == "flag"
+    warned = [r.getMessage() for r in caplog.records if r.name == "kvd.config"]
+    assert len(warned) == 1 and warned[0].startswith(f"file {f}: max_lease_ms = 0 ")
+    assert "without the env's and the flag's values" in warned[0]
