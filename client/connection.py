@@ -151,24 +151,26 @@ class Connection(Shared):
         """Send and wait for the reply; one that comes within ``RECEIVE_WINDOW_S`` is
         received on this thread (no hand-off to the I/O thread and back)."""
         limit = self.timeout if timeout is None else timeout
+        instance = self.instance  # (a reply comes from the run it was sent to)
         fut = self.submit(msg, min(limit, RECEIVE_WINDOW_S))
         try:
             return fut.result(limit)
         except FutureTimeout:
             self.stats.timeouts += 1
             if not fut.cancel():  # sent: a reply may still come, to nobody
-                fut.add_done_callback(self._unclaimed)
+                fut.add_done_callback(lambda f: self._unclaimed(f, instance))
             raise Timeout(f"kvd did not answer {type(msg).__name__} in time") from None
 
-    def _unclaimed(self, fut: Future) -> None:
+    def _unclaimed(self, fut: Future, instance: str) -> None:
         """A reply its caller gave up waiting for: a lease in it goes back (as the I/O
-        thread gives back one that comes after the call's expiry)."""
+        thread gives back one that comes after the call's expiry), to the daemon run
+        that gave it (connected to another by then, the Release is not sent)."""
         if fut.cancelled() or fut.exception() is not None:
             return
         reply = fut.result()
-        if isinstance(reply, m.LookupOk) and reply.lease:
+        if isinstance(reply, m.LookupOk) and reply.lease \
+                and self._queue((m.Release(self.next_req(), reply.lease), None, instance)):
             self.stats.late_leases += 1
-            self._queue((m.Release(self.next_req(), reply.lease), None, ""))
 
     def send(self, msg: m.Transfer, instance: str = "") -> bool:
         """Queue a Transfer; its one Done reaches ``on_done`` (see the module docstring

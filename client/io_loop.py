@@ -289,9 +289,9 @@ class IOLoop:
         every request had ended (a daemon stalled past the calls' time but not the
         link's). A late ``Allocated``'s slots are left to their pending time: workers
         may be storing into them by ticket."""
-        if isinstance(reply, m.LookupOk) and reply.lease:
+        if isinstance(reply, m.LookupOk) and reply.lease \
+                and self.link.raw_send(m.Release(self.c.next_req(), reply.lease)):
             self.c.stats.late_leases += 1
-            self.link.raw_send(m.Release(self.c.next_req(), reply.lease))
 
     def daemon_exited(self, fd: int) -> None:
         link, book = self.link, self.book

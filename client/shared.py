@@ -43,7 +43,7 @@ class ClientStats:
     reconnects: int = 0
     lost_transfers: int = 0  # ended without a Done: past deadline + grace, or kvd exited
     wakeups: int = 0  # of the I/O thread: what an engine pays while kvd is away
-    late_leases: int = 0  # leases of Lookups answered after they timed out, given back
+    late_leases: int = 0  # leases of Lookups answered after their callers gave up, sent back
 
 
 class Shared:
