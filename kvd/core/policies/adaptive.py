@@ -214,6 +214,8 @@ class AdaptivePolicy(EvictionPolicy):
         self._held_sample.discard(key)
 
     def remove_many(self, keys: Sequence[Key]) -> None:
+        if not keys:  # as no ``remove`` at all: a replay now would split a run of stores
+            return
         self._replay()
         for p in self._live:
             p.remove_many(keys)
