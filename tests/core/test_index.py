@@ -482,3 +482,26 @@ def test_a_copy_of_the_live_blocks_made_later_is_the_index_as_it_was():
     ix.store_done(np.array(r.slots, dtype=np.int64), 0, checksums=[7] * 6)
     assert [b[1] for b in ix.live_blocks()] == [k(i) for i in range(10, 16)]
     assert later() == before
+
+
+@pytest.mark.parametrize("n_tenants", [1, 3, 12])  # one; a pass per tenant; block by block
+def test_a_flush_of_several_tenants_drops_each_ones_blocks_and_journals_each(n_tenants):
+    a = Allocator(64 * BLOCK, 4 * BLOCK, 1024)
+    ix = Index(a, make_policy("adaptive", 64), record=True)
+    tenants = Tenants()
+    ts = [tenants.get_or_create(f"t{i}", model=f"m{i}", tp_size=1, rank_page_bytes=(BLOCK,))
+          for i in range(n_tenants)]
+    for i, t in enumerate(ts):  # the same keys in every tenant, interleaved in the policy
+        r = ix.allocate(t, [k(j) for j in range(4)])
+        ix.store_done(np.array(r.slots, dtype=np.int64), 0, checksums=[i] * 4)
+    _, held, lease, _ = ix.lookup(ts[-1], [k(0)], lease_s=10)  # pinned: stays
+    ix.events = []
+    assert ix.evict_tenant(None) == 4 * n_tenants - 1
+    assert [t.blocks for t in ts] == [0] * (n_tenants - 1) + [1]
+    assert sorted((e[2], e[3]) for e in ix.events if e[0] == "drop") == sorted(
+        (t.id, k(j)) for t in ts for j in range(4) if (t, j) != (ts[-1], 0))
+    assert [ix.lookup(t, [k(j) for j in range(4)])[0] for t in ts] == [0] * (
+        n_tenants - 1) + [1]
+    assert set(ix.checksums) == set(held.tolist())
+    ix.release(lease)
+    assert ix.evict_tenant(None) == 1 and not ix.entries and ts[-1].blocks == 0
