@@ -26,6 +26,7 @@ import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import TypeVar, overload
 
 import msgspec
@@ -33,6 +34,7 @@ import xxhash
 
 _FRAME = struct.Struct("<IQ")
 MAX_RECORD = 1 << 20
+SNAPSHOT_CHUNK = 65536  # records framed and written at a time by write_snapshot
 
 
 class Header(msgspec.Struct, array_like=True, tag="h"):
@@ -187,19 +189,26 @@ class Journal:
 
     def write_snapshot(self, records: Iterable[msgspec.Struct]) -> None:
         """Write a snapshot beside the journal (any thread; the journal stays in use).
-        On an error the snapshot is removed and the journal stays as it was."""
-        data = b"".join([frame(r) for r in records])
+        On an error the snapshot is removed and the journal stays as it was. Framed
+        and written ``SNAPSHOT_CHUNK`` records at a time, so that an iterator's records
+        die young: a million alive at once set off full garbage collections, each
+        holding every thread (the event loop) for up to half a second."""
         tmp = self.path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        size = 0
         try:
-            _write_all(fd, data, tmp)
+            it = iter(records)
+            while chunk := list(islice(it, SNAPSHOT_CHUNK)):
+                data = b"".join([frame(r) for r in chunk])
+                _write_all(fd, data, tmp)
+                size += len(data)
             os.fsync(fd)
-        except OSError:
+        except BaseException:  # (an iterator's own error too: no snapshot left behind)
             _discard(tmp)
             raise
         finally:
             os.close(fd)
-        self._snapshot_bytes = len(data)
+        self._snapshot_bytes = size
 
     def swap_snapshot(self, backlog: Sequence[msgspec.Struct]) -> None:
         """Append what was journaled since the snapshot, then make it the journal.

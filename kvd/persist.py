@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,14 +167,20 @@ class Persistence:
                 over -= 1
 
     def snapshot(self, index: Index, tenants: Tenants) -> list[Record]:
-        return self._snapshot_later(index, tenants)()
+        return list(self._snapshot_later(index, tenants)())
 
-    def _snapshot_later(self, index: Index, tenants: Tenants) -> Callable[[], list[Record]]:
-        """The snapshot as of now, made by the function returned on any thread."""
+    def _snapshot_later(self, index: Index,
+                        tenants: Tenants) -> Callable[[], Iterator[Record]]:
+        """The snapshot as of now, its records made one by one, on any thread, by the
+        function returned (written as they come: few alive at once)."""
         head: list[Record] = [self.header, *map(_tenant_rec, tenants)]
         blocks = index.copy_live_blocks()
-        return lambda: head + [Commit(tid, key, slot, depth, sums, parent or b"")
-                               for tid, key, slot, depth, sums, parent in blocks()]
+
+        def records() -> Iterator[Record]:
+            yield from head
+            for tid, key, slot, depth, sums, parent in blocks():
+                yield Commit(tid, key, slot, depth, sums, parent or b"")
+        return records
 
     # ------------------------------------------------------------ running
     def tenant_added(self, t: Tenant) -> None:
@@ -234,7 +240,7 @@ class Persistence:
                                             name="kvd-compact", daemon=True)
         self._compacting.start()
 
-    def _compact(self, snap: Callable[[], list[Record]]) -> None:
+    def _compact(self, snap: Callable[[], Iterator[Record]]) -> None:
         try:
             assert self.journal is not None
             self.journal.write_snapshot(snap())

@@ -81,3 +81,37 @@ def test_a_fifo_in_the_journals_place_is_refused_not_waited_on(tmp_path):
 
     assert in_child(lambda: refused(lambda: Journal(path)), 10) == 0
     assert in_child(lambda: refused(lambda: list(read_records(path))), 10) == 0
+
+
+def test_a_snapshot_is_written_in_chunks_and_one_whose_records_fail_leaves_none(
+        tmp_path, monkeypatch):
+    """Records are framed a chunk at a time (a million alive at once set off full
+    garbage collections that held the event loop); an error raised by the iterator
+    itself, part way, leaves the journal as it was and no snapshot file behind."""
+    from kvd import journal
+
+    monkeypatch.setattr(journal, "SNAPSHOT_CHUNK", 3, raising=False)
+    path = str(tmp_path / "j")
+    j = Journal(path)
+    j.append([H, Commit(1, b"old", 0, 0, [1])])
+    made: list[int] = []
+
+    def records(fail_at: int | None = None):
+        yield H
+        for i in range(10):
+            if i == fail_at:
+                raise RuntimeError("a record could not be made")
+            tmp = path + ".tmp"  # what is written of the snapshot so far
+            made.append(os.path.getsize(tmp) if os.path.exists(tmp) else -1)
+            yield Commit(1, bytes([i]), i, 0, [i])
+
+    with pytest.raises(RuntimeError):
+        j.write_snapshot(records(fail_at=7))
+    assert len(made) == 7 and not os.path.exists(path + ".tmp")
+    assert made[0] == 0 < made[2] < made[5]  # written while the records are made
+    assert list(read_records(path)) == [H, Commit(1, b"old", 0, 0, [1])]
+    j.write_snapshot(records())
+    j.swap_snapshot([Drop(9)])
+    assert [b.key for b in replay(path).blocks.values()] == [bytes([i]) for i in range(9)]
+    assert j.bytes == os.path.getsize(path)
+    j.close()
