@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -518,24 +518,25 @@ class Index:
     def live_blocks(self) -> list[tuple[int, bytes, int, int, list[int], bytes | None]]:
         """(tenant, key, slot, depth, checksums, parent) of every READY block, for a
         snapshot (in the order the policy learned them: a restart restores it)."""
-        return self.copy_live_blocks()()
+        return list(self.copy_live_blocks()())
 
-    def copy_live_blocks(self) -> Callable[[], list[tuple[int, bytes, int, int, list[int],
-                                                          bytes | None]]]:
-        """``live_blocks`` as of now, made later by the function returned, on any
-        thread: only the tables are copied now (at C speed), where making the tuples
-        held the loop about 7 us a block (a journal compaction at a million blocks:
-        seconds). A READY block's checksum list is never changed in place."""
+    def copy_live_blocks(self) -> Callable[[], Iterator[tuple[int, bytes, int, int,
+                                                              list[int], bytes | None]]]:
+        """``live_blocks`` as of now, made later (one by one, few alive at once) by the
+        function returned, on any thread: only the tables are copied now (at C speed),
+        where making the tuples held the loop about 7 us a block (a journal compaction
+        at a million blocks: seconds). A READY block's checksum list is never changed
+        in place."""
         slot_key, tenant_of = dict(self._slot_key), dict(self._slot_tenant)
         ready, depth = self.state == READY, self._depth.copy()
         sums, parents = dict(self.checksums), dict(self.parents)
 
-        def made() -> list[tuple[int, bytes, int, int, list[int], bytes | None]]:
+        def made() -> Iterator[tuple[int, bytes, int, int, list[int], bytes | None]]:
             sums_of, parent_of = sums.get, parents.get
             is_ready, depths = ready.tolist(), depth.tolist()
-            return [(tenant_of[slot].id, key[4:], slot, depths[slot], sums_of(slot, []),
+            return ((tenant_of[slot].id, key[4:], slot, depths[slot], sums_of(slot, []),
                      parent_of(slot))
-                    for slot, key in slot_key.items() if is_ready[slot]]
+                    for slot, key in slot_key.items() if is_ready[slot])
         return made
 
     # ------------------------------------------------------------ housekeeping

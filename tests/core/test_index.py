@@ -481,7 +481,7 @@ def test_a_copy_of_the_live_blocks_made_later_is_the_index_as_it_was():
     r = ix.allocate(t, [k(i) for i in range(10, 16)])
     ix.store_done(np.array(r.slots, dtype=np.int64), 0, checksums=[7] * 6)
     assert [b[1] for b in ix.live_blocks()] == [k(i) for i in range(10, 16)]
-    assert later() == before
+    assert list(later()) == before
 
 
 @pytest.mark.parametrize("n_tenants", [1, 3, 12])  # one; a pass per tenant; block by block

@@ -6,6 +6,7 @@ everything else is the real journal, index and policy."""
 from __future__ import annotations
 
 import errno
+import gc
 import os
 from pathlib import Path
 
@@ -61,8 +62,12 @@ def test_lost_journal_records_are_written_again_by_the_next_snapshot(tmp_path, m
     monkeypatch.setattr(os, "write", real)  # room again
     p.maybe_compact(ix, tenants)  # records were lost: a full snapshot, however small
     assert p._compacting is not None
+    # What lived before is out of the collector's full passes while the thread makes
+    # records (each pass read it all, holding the loop), and back in once it is done.
+    assert gc.get_freeze_count() > 0
     p._compacting.join()
     p.finish_compaction()
+    assert gc.get_freeze_count() == 0
     assert {b.key for b in replay(path).blocks.values()} == set(keys)
     store(ix, t, p, [b"late" * 2])  # appends go on into the new journal
     assert len(replay(path).blocks) == 5
@@ -86,6 +91,7 @@ def test_a_failed_compaction_keeps_the_journal_and_is_retried(tmp_path, monkeypa
     assert p._compacting is not None
     p._compacting.join()
     p.finish_compaction()  # the thread's snapshot failed the same way: logged, kept
+    assert gc.get_freeze_count() == 0
     assert p.recovery.errors == 1 and Path(path).read_bytes() == before
     assert not os.path.exists(path + ".tmp")
     monkeypatch.setattr(os, "write", real)
