@@ -16,6 +16,7 @@ from kvd.access import ACCESS_KEYS, Access, Peer
 from kvd.clients import Client
 from kvd.config import Config
 from kvd.core.index import Index
+from kvd.core.snapshot import live_blocks
 from kvd.core.tenants import Tenants
 from kvd.errors import RequestError
 from kvd.events import held_commits
@@ -64,7 +65,7 @@ class AdminRequests:
         n = self.index.evict_tenant(target)
         if target is None and self.kv_events is not None:
             self.commit()
-            self.kv_events.clear(held_commits(self.index.live_blocks()))
+            self.kv_events.clear(held_commits(live_blocks(self.index)))
         log.info("admin %s: evicted %d blocks", type(msg).__name__.lower(), n)
         return m.Ok(msg.req, n)
 

@@ -53,7 +53,7 @@ def named_slots(index: Index, tenant: Tenant, msg: m.Transfer, store: bool) -> n
     """The slots a Transfer names (not by ticket), checked: a store's still its
     allocation's (``gens``), a load's under its lease."""
     lease = 0 if store else msg.lease
-    if lease and not index.has_lease(lease):  # said before its slots' state:
+    if lease and lease not in index.leases:  # said before its slots' state:
         raise _lease_gone(lease)  # they may be free or hold others by now
     try:
         slots = own_slots(index, tenant, msg.slots, PENDING if store else READY)
@@ -63,7 +63,7 @@ def named_slots(index: Index, tenant: Tenant, msg: m.Transfer, store: bool) -> n
         raise
     if store:
         _check_gens(index, slots, msg.gens)
-    if lease and not index.leased(lease, slots):
+    if lease and not index.leases.holds(lease, slots):
         raise _lease_gone(lease)
     return slots
 

@@ -226,7 +226,7 @@ class BatchBuilder:
 
 
 def held_commits(blocks: Sequence[tuple]) -> list[tuple]:
-    """The READY blocks (``Index.live_blocks``) as commit tuples, for a (re)start or a
+    """The READY blocks (``snapshot.live_blocks``) as commit tuples, for a (re)start or a
     flush to announce: chain by chain, each block after its parent (depth first, so a
     chain stays one BlockStored)."""
     held = {(b[0], b[1]) for b in blocks}

@@ -35,7 +35,7 @@ class LeaseRequests:
     def _lookup(self, client: Client, tenant: Tenant, msg: m.Lookup) -> m.Reply:
         check_keys(msg.keys, msg.depth, 0, self.config.max_keys_per_request)
         stalled = self.transfers.stalled  # a hit's load would wait out its deadline
-        room = self.config.max_leased_blocks - self.index.leased_by.get(client.id, 0)
+        room = self.config.max_leased_blocks - self.index.leases.by_owner.get(client.id, 0)
         if room <= 0 and not stalled:
             raise KvdError(f"lease quota of {self.config.max_leased_blocks} blocks reached; "
                            "release leases first", m.Code.BUSY)
@@ -66,7 +66,7 @@ class LeaseRequests:
         return reply
 
     def _release(self, client: Client, msg: m.Release) -> m.Reply:
-        if self.index.lease_owner(msg.lease) not in (None, client.id):
+        if self.index.leases.owner(msg.lease) not in (None, client.id):
             raise BadIds(f"lease {msg.lease} belongs to another client")
         slots = None
         if msg.slots:

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvd.core.allocator import AllocatorError
 from kvd.core.index import Index
+from kvd.core.snapshot import copy_live_blocks, restore_block
 from kvd.core.tenants import Tenant, Tenants
 from kvd.engines.base import checksums
 from kvd.errors import ConfigError
@@ -150,7 +151,7 @@ class Persistence:
             except AllocatorError:  # its size no longer fits the pool's geometry
                 claimed = [False] * len(blocks)
             for b, c in zip(blocks, claimed):
-                if c and index.restore(t, b.key, b.slot, b.depth, b.checksums,
+                if c and restore_block(index, t, b.key, b.slot, b.depth, b.checksums,
                                        b.parent or None, claimed=True):
                     rec.restored += 1
                 else:
@@ -175,7 +176,7 @@ class Persistence:
         """The snapshot as of now, its records made one by one, on any thread, by the
         function returned (written as they come: few alive at once)."""
         head: list[Record] = [self.header, *map(_tenant_rec, tenants)]
-        blocks = index.copy_live_blocks()
+        blocks = copy_live_blocks(index)
 
         def records() -> Iterator[Record]:
             yield from head

@@ -25,6 +25,7 @@ from kvd.config import Config
 from kvd.core.allocator import Allocator
 from kvd.core.index import PENDING, READY, Index
 from kvd.core.policies import DEFAULT_POLICY, make_policy
+from kvd.core.snapshot import live_blocks
 from kvd.core.tenants import Tenants
 from kvd.counters import Counters
 from kvd.engines.base import TransferEngine
@@ -89,7 +90,7 @@ class Service(HandshakeRequests, LeaseRequests, StoreRequests, AdminRequests):
                 tenants=lambda: [t.id for t in self.tenants], holds=self.index.holds)
             # A (re)start: what it holds now, and the topics of tenants it did not keep.
             not_kept = self.persist.recovery.not_kept if self.persist is not None else None
-            self.kv_events.clear(held_commits(self.index.live_blocks()), not_kept)
+            self.kv_events.clear(held_commits(live_blocks(self.index)), not_kept)
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
         self.transfers = Transfers(config, self.index, pool.base, send, clock, self.counters,

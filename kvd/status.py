@@ -57,7 +57,7 @@ def status_document(svc: Sources) -> dict:
             "locked": svc.pool.locked,
         },
         "blocks": {"ready": ix.ready_blocks, "pending": ix.pending_blocks,
-                   "pinned": ix.pinned_blocks, "leases": ix.leases,
+                   "pinned": ix.pinned_blocks, "leases": len(ix.leases),
                    "capacity": ix.policy.capacity},  # what the policy is sized for
         "clients": [
             {"id": cl.id, "pid": cl.pid, "name": cl.name, "kind": cl.kind, "rank": cl.rank,

@@ -57,7 +57,7 @@ class StoreRequests:
             # Three quarters of the pool at most per tenant, whatever its connections:
             # a scheduler that never stores (or several of one fingerprint) must not
             # hold every slot PENDING, evicting every tenant's blocks.
-            pending = self.index.pending_by
+            pending = self.index.pending.by_owner
             share = max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4)
             room = min(self.config.max_pending_blocks - pending.get(client.id, 0),
                        share - sum(pending.get(c, 0) for c in tenant.clients))
@@ -105,6 +105,6 @@ class StoreRequests:
     def _abort(self, client: Client, tenant: Tenant, msg: m.Abort) -> m.Reply:
         check_ids(msg.slots, self.config.max_keys_per_request)
         slots = own_slots(self.index, tenant, msg.slots, PENDING)
-        if not self.index.allocated_by(slots, client.id):
+        if not self.index.pending.allocated_by(slots, client.id):
             raise BadIds("a slot of this Abort was allocated by another connection")
         return m.Ok(msg.req, self.index.abort(slots))

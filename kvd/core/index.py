@@ -1,24 +1,29 @@
-"""The block index: key -> slot, block states, pins and leases.
+"""The block index: key -> slot, block states and pins, and the moves between states.
 
 A block is PENDING from Allocate until every tensor-parallel rank of its tenant stored
 its share, then READY. Only READY blocks are visible to lookups and offered to the
 eviction policy. A pin (from a lease or an in-flight transfer) keeps a block from being
 evicted or freed; a slot is returned to the allocator only when its pins reach zero.
 Time is passed in (``now``, seconds); the index never reads a clock.
+
+The index owns ``LeaseTable`` (kvd/core/lease_table.py) and ``PendingStores``
+(kvd/core/pending.py), each with its own tables, and the ``Evictor`` (kvd/core/
+eviction.py), which reads and updates the block table itself, as kvd/core/snapshot.py
+does for a restart.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 
 import numpy as np
 
 from kvd.core.allocator import Allocator
 from kvd.core.eviction import Evictor
+from kvd.core.lease_table import LeaseTable
+from kvd.core.pending import PendingCall, PendingStores
 from kvd.core.states import FREE, NO_SLOT, PENDING, READY
 from kvd.core.policies.base import EvictionPolicy, first_places
 from kvd.core.tenants import Tenant, unscoped
@@ -28,44 +33,11 @@ _FEW_PINS = 8  # up to this many slots, pin one by one (see Index.pin)
 
 
 @dataclass
-class Lease:
-    id: int
-    owner: int
-    slots: np.ndarray
-    deadline: float
-
-
-@dataclass
 class AllocateResult:
     slots: list[int]  # one per key answered; NO_SLOT where already stored
     evicted: list[bytes]  # the caller tenant's keys evicted to make room (unscoped)
     allocated: int  # keys[:allocated] were answered; the rest found no room
     evicted_total: int = 0  # blocks of any tenant evicted
-
-
-@dataclass(eq=False)  # compared by identity
-class _Pending:
-    """One ``allocate`` call's PENDING blocks share this (one object per call, not per
-    block); each block's depth is in ``Index._depth``, its checksums in ``_sums``."""
-
-    owner: int
-    deadline: float
-    tenant: Tenant
-    length: int = 0  # depth of the end of the allocating request's chain
-    keys: Sequence[bytes] = ()  # the call's keys, in chain order (parents, for events)
-    depth: int = 0  # the depth of keys[0]
-    parent: bytes | None = None  # the key before keys[0] in its chain, when known
-    chained: bool = True  # each key is the parent of the next
-    # Instead of ``keys``, when the call's new keys were few among many known ones:
-    # each new block's parent by depth (the call's keys are not kept for them).
-    parents: dict[int, bytes | None] | None = None
-
-    def parent_at(self, depth: int) -> bytes | None:
-        if self.parents is not None:
-            return self.parents.get(depth)
-        if depth == self.depth:
-            return self.parent
-        return self.keys[depth - self.depth - 1] if self.chained else None
 
 
 @dataclass
@@ -80,27 +52,6 @@ class IndexCounters:
     no_space: int = 0
 
 
-def _pending(owner: int, deadline: float, tenant: Tenant, length: int,
-             keys: Sequence[bytes], new: Sequence[int], depth: int,
-             parent: bytes | None, chained: bool) -> _Pending:
-    """The record an ``allocate`` call's new blocks share. It keeps the call's keys
-    from the one before its first new key to its last (what their parents need), or,
-    when those are mostly keys already known, just the new blocks' parents: one new
-    key among thousands of known ones must not keep them all for the pending time."""
-    lo, hi = new[0], new[-1] + 1
-    if chained:
-        before = keys[lo - 1] if lo else parent
-    else:  # only the call's first key has a parent (the one its sender named)
-        before = parent if lo == 0 else None
-    if hi - lo <= 2 * len(new):
-        return _Pending(owner, deadline, tenant, length, keys[lo:hi], depth + lo, before,
-                        chained)
-    parents = ({depth + i: keys[i - 1] if i else parent for i in new} if chained
-               else {depth + lo: before})
-    return _Pending(owner, deadline, tenant, length, (), depth + lo, before, chained,
-                    parents)
-
-
 @dataclass
 class Index:
     allocator: Allocator
@@ -113,9 +64,7 @@ class Index:
     # When on, commits and drops of READY blocks are queued in ``events`` (plain
     # tuples; the shell writes them to the journal and publishes them as KV events).
     record: bool = False
-    # Lease ids count from here: the shell starts each daemon run somewhere else, so a
-    # lease id of an earlier run names nothing in this one.
-    first_lease: int = 1
+    first_lease: int = 1  # see LeaseTable
 
     def __post_init__(self) -> None:
         n = self.allocator.max_slots
@@ -127,12 +76,10 @@ class Index:
         self._depth = np.zeros(n, dtype=np.int64)  # of PENDING and READY blocks
         self._slot_key: dict[int, bytes] = {}
         self._slot_tenant: dict[int, Tenant] = {}
-        self._pending: dict[int, _Pending] = {}
-        self._sums: dict[int, list[int]] = {}  # PENDING slot -> per-rank checksums so far
+        self.pending = PendingStores()
         self._doomed: set[int] = set()  # PENDING slots to free once unpinned
         self._pin_calls = 0  # pin calls not yet unpinned: at zero no slot is pinned
-        self._leases: dict[int, Lease] = {}
-        self._next_lease = self.first_lease
+        self.leases = LeaseTable(self.first_lease)
         self._spaces: dict[int, dict[bytes, int]] = {}  # tenant id -> key -> slot
         # READY blocks only: a lookup's leading run is then just "found in this map",
         # with no per-key state check (the 1,000-key lookup is the hot path).
@@ -142,8 +89,6 @@ class Index:
         # While recording: READY slot -> the key before it in its chain, when known (for
         # the journal and the blocks re-announced after a flush or a warm restart).
         self.parents: dict[int, bytes | None] = {}
-        self.leased_by: dict[int, int] = {}  # owner -> blocks under its leases (quotas)
-        self.pending_by: dict[int, int] = {}  # owner -> its PENDING blocks (quotas)
         # ("commit", tenant, key, slot, depth, sums, parent key | None)
         # | ("drop", slot, tenant, key)
         self.events: list[tuple] = []
@@ -168,15 +113,11 @@ class Index:
 
     @property
     def pending_blocks(self) -> int:
-        return len(self._pending)
+        return len(self.pending)
 
     @property
     def pinned_blocks(self) -> int:
         return int(np.count_nonzero(self.pins))
-
-    @property
-    def leases(self) -> int:
-        return len(self._leases)
 
     def lookup(
         self,
@@ -216,10 +157,7 @@ class Index:
             self._touches.append((found, depth))
             if lease_s is not None:
                 self.pin(hit_slots)
-                lease = self._next_lease
-                self._next_lease += 1
-                self.leased_by[owner] = self.leased_by.get(owner, 0) + hits
-                self._leases[lease] = Lease(lease, owner, hit_slots, now + lease_s)
+                lease = self.leases.open(owner, hit_slots, now + lease_s)
         return hits, hit_slots, lease, pending
 
     def contains(self, tenant: Tenant, key: bytes) -> int:
@@ -236,36 +174,20 @@ class Index:
         for slots, depth in touches:
             touch(list(map(slot_key, slots)), depth)
 
-    # ------------------------------------------------------------ leases
+    # ------------------------------------------------------------ leases and pins
     def release(self, lease_id: int, owner: int | None = None,
                 slots: np.ndarray | None = None) -> bool:
         """Drop the lease, or only its ``slots`` (the rest stays leased)."""
-        lease = self._leases.get(lease_id)
+        lease = self.leases.get(lease_id)
         if lease is None or (owner is not None and lease.owner != owner):
             return False
         if slots is not None:
-            drop = np.isin(lease.slots, slots)
-            if not drop.all():
-                gone, lease.slots = lease.slots[drop], lease.slots[~drop]
+            gone = self.leases.shrink(lease, slots)
+            if gone is not None:
                 self.unpin(gone, calls=0)  # the lease's one pin call stays open
-                self._count(self.leased_by, lease.owner, -len(gone))
                 return True
-        del self._leases[lease_id]
-        self.unpin(lease.slots)
-        self._count(self.leased_by, lease.owner, -len(lease.slots))
+        self.unpin(self.leases.close(lease_id).slots)
         return True
-
-    def lease_owner(self, lease_id: int) -> int | None:
-        lease = self._leases.get(lease_id)
-        return None if lease is None else lease.owner
-
-    def has_lease(self, lease_id: int) -> bool:
-        return lease_id in self._leases
-
-    def leased(self, lease_id: int, slots: np.ndarray) -> bool:
-        """Whether the lease is live and holds every one of ``slots``."""
-        lease = self._leases.get(lease_id)
-        return lease is not None and bool(np.isin(slots, lease.slots).all())
 
     # pin/unpin count a slot once per call even if it repeats (fancy indexing, ~15x
     # faster than np.add.at); both sides do the same, so counts stay balanced. A few
@@ -354,15 +276,14 @@ class Index:
             self.entries.update(zip(scoped, got))
             self._slot_key.update(zip(got, scoped))
             self._slot_tenant.update(dict.fromkeys(got, tenant))
-            self._pending.update(dict.fromkeys(
-                got, _pending(owner, deadline, tenant, length, keys,
-                              range(len(got)) if fresh else new, depth, parent, chained)))
+            self.pending.add(got, PendingCall.of(
+                owner, deadline, tenant, length, keys, range(len(got)) if fresh else new,
+                depth, parent, chained))
             if fresh:
                 slots = got + slots[len(got):]
             else:
                 for i, slot in zip(new, got):
                     slots[i] = slot
-            self._count(self.pending_by, owner, len(got))
             arr = np.array(got, dtype=np.int64)
             self.state[arr] = PENDING
             self.tenant_of[arr] = tenant.id
@@ -385,34 +306,11 @@ class Index:
         if not live.all():
             s = s[live]
         self.rank_mask[s] |= bit
-        order, pending = s.tolist(), self._pending
-        if checksums is not None:  # python ints: 64-bit hashes overflow int64
-            sums, tp = self._sums, self._pending
-            for slot, c in zip(order, [c for c, ok in zip(checksums, live.tolist()) if ok]):
-                if slot not in sums:
-                    sums[slot] = [0] * tp[slot].tenant.tp_size
-                sums[slot][rank] = c
-        ready: list[int] = []
-        owners: list[_Pending] = []
-        ps = list(map(pending.get, order))
-        if ps and ps[0] is not None and ps.count(ps[0]) == len(ps) \
-                and len(set(order)) == len(order):
-            # The usual case: the slots of one Allocate, no repeats: decide in numpy.
-            p = ps[0]
-            if p.tenant.full_mask == 1 << rank:  # one rank (no TP): all are done
-                ready = order
-            else:
-                full = self.rank_mask[s] == np.uint64(p.tenant.full_mask)
-                ready = order if full.all() else s[full].tolist()
-            deque(map(pending.pop, ready), maxlen=0)
-            owners = [p] * len(ready)
-        else:
-            for slot, mask, p in zip(order, self.rank_mask[s].tolist(), ps):
-                # p is None when the slot repeats in ``slots``
-                if p is not None and mask == p.tenant.full_mask and slot in pending:
-                    del pending[slot]
-                    ready.append(slot)
-                    owners.append(p)
+        order = s.tolist()
+        if checksums is not None:
+            self.pending.add_sums(order, [c for c, ok in zip(checksums, live.tolist()) if ok],
+                                  rank)
+        ready, owners = self.pending.finished(order, s, self.rank_mask, rank)
         if ready:
             arr = s if ready is order else np.array(ready, dtype=np.int64)
             self.state[arr] = READY
@@ -420,7 +318,8 @@ class Index:
         self.counters.stored_blocks += len(ready)
         return len(ready)
 
-    def _commit(self, slots: list[int], owners: list[_Pending], depths: list[int]) -> None:
+    def _commit(self, slots: list[int], owners: list[PendingCall],
+                depths: list[int]) -> None:
         """Hand newly READY blocks to the policy, a run (one allocate call, consecutive
         depths) per ``insert_many``: one call per request, not one per block."""
         keys = list(map(self._slot_key.__getitem__, slots))
@@ -440,68 +339,27 @@ class Index:
             if self.fresh is not None:
                 self.fresh.append((p.tenant, plain, slots[start:end], d0))
             p.tenant.blocks += end - start
-            self._count(self.pending_by, p.owner, start - end)
+            self.pending.by_owner.add(p.owner, start - end)
             start = end
-        if self._sums:
-            for slot in slots:
-                sums = self._sums.pop(slot, None)
-                if sums is not None:
-                    self.checksums[slot] = sums
+        self.pending.move_sums(slots, self.checksums)
         if self.record:  # the parent: the key before in the same Allocate, else the one
             sums_of = self.checksums.get  # its sender named before its first key
-            parents = list(map(_Pending.parent_at, owners, depths))
+            parents = list(map(PendingCall.parent_at, owners, depths))
             self.parents.update(zip(slots, parents))
             self.events.extend(("commit", p.tenant.id, key[4:], slot, d, sums_of(slot, []),
                                 parent)
                                for p, key, slot, d, parent in zip(owners, keys, slots, depths,
                                                                   parents))
 
-    def allocated_by(self, slots: np.ndarray, owner: int) -> bool:
-        """Whether ``owner``'s Allocates made every one of these PENDING slots."""
-        pending = self._pending
-        return all(pending[s].owner == owner for s in slots.tolist() if s in pending)
-
     def abort(self, slots: np.ndarray) -> int:
         """Drop PENDING slots (a failed or abandoned store); freed once unpinned. In one
         batch: an engine leaving with 786k blocks pending held the loop 5-10 s."""
         self.flush()
         slots = np.unique(slots[(slots >= 0) & (slots < len(self.state))])
-        pending = self._pending
-        ours = [s for s in slots[self.state[slots] == PENDING].tolist() if s in pending]
-        for owner, n in Counter(p.owner for p in map(pending.pop, ours)).items():
-            self._count(self.pending_by, owner, -n)
-        deque(map(self._sums.pop, ours, repeat(None)), maxlen=0)
+        ours = self.pending.drop(slots[self.state[slots] == PENDING].tolist())
         self.evictor.drop_many(ours)
         self.counters.failed_stores += len(ours)
         return len(ours)
-
-    def restore(self, tenant: Tenant, key: bytes, slot: int, depth: int,
-                checksums: list[int], parent: bytes | None = None,
-                claimed: bool = False) -> bool:
-        """Put back a READY block found in the pool after a restart (already verified).
-        False when the slot cannot be claimed (geometry changed, or already taken), or
-        the key is held already. ``claimed``: the caller claimed the slot (and frees it
-        if this says False)."""
-        if tenant.prefix + key in self.entries:
-            return False
-        if not claimed and not self.allocator.claim(slot, tenant.slot_bytes):
-            return False
-        scoped = tenant.prefix + key
-        self.entries[scoped] = slot
-        self._spaces.setdefault(tenant.id, {})[key] = slot
-        self._ready.setdefault(tenant.id, {})[key] = slot
-        self._slot_key[slot] = scoped
-        self._slot_tenant[slot] = tenant
-        self.state[slot] = READY
-        self.tenant_of[slot] = tenant.id
-        self.rank_mask[slot] = tenant.full_mask
-        self._depth[slot] = depth
-        self.checksums[slot] = list(checksums)
-        self.parents[slot] = parent
-        tenant.blocks += 1
-        self.allocator.fit(self.policy, self._capacity_bound)
-        self.policy.insert(scoped, depth)
-        return True
 
     def discard(self, slots: Sequence[int]) -> int:
         """Remove READY blocks now (e.g. they failed verification); a slot still pinned
@@ -514,30 +372,6 @@ class Index:
                 self.evictor.drop(slot)
                 n += 1
         return n
-
-    def live_blocks(self) -> list[tuple[int, bytes, int, int, list[int], bytes | None]]:
-        """(tenant, key, slot, depth, checksums, parent) of every READY block, for a
-        snapshot (in the order the policy learned them: a restart restores it)."""
-        return list(self.copy_live_blocks()())
-
-    def copy_live_blocks(self) -> Callable[[], Iterator[tuple[int, bytes, int, int,
-                                                              list[int], bytes | None]]]:
-        """``live_blocks`` as of now, made later (one by one, few alive at once) by the
-        function returned, on any thread: only the tables are copied now (at C speed),
-        where making the tuples held the loop about 7 us a block (a journal compaction
-        at a million blocks: seconds). A READY block's checksum list is never changed
-        in place."""
-        slot_key, tenant_of = dict(self._slot_key), dict(self._slot_tenant)
-        ready, depth = self.state == READY, self._depth.copy()
-        sums, parents = dict(self.checksums), dict(self.parents)
-
-        def made() -> Iterator[tuple[int, bytes, int, int, list[int], bytes | None]]:
-            sums_of, parent_of = sums.get, parents.get
-            is_ready, depths = ready.tolist(), depth.tolist()
-            return ((tenant_of[slot].id, key[4:], slot, depths[slot], sums_of(slot, []),
-                     parent_of(slot))
-                    for slot, key in slot_key.items() if is_ready[slot])
-        return made
 
     # ------------------------------------------------------------ housekeeping
     def evict_tenant(self, tenant: Tenant | None) -> int:
@@ -553,10 +387,10 @@ class Index:
     def expire(self, now: float) -> tuple[int, int]:
         """Release leases and PENDING stores past their deadlines."""
         self.flush()
-        old = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        old = self.leases.expired(now)
         for lid in old:
             self.release(lid)
-        stale = [s for s, p in self._pending.items() if p.deadline <= now]
+        stale = self.pending.expired(now)
         self.abort(np.array(stale, dtype=np.int64))
         self.counters.expired_leases += len(old)
         self.counters.expired_pending += len(stale)
@@ -565,17 +399,9 @@ class Index:
     def drop_owner(self, owner: int) -> tuple[int, int]:
         """A client went away: release its leases and its PENDING stores."""
         self.flush()
-        leases = [lid for lid, lease in self._leases.items() if lease.owner == owner]
+        leases = self.leases.of_owner(owner)
         for lid in leases:
             self.release(lid)
-        stale = [s for s, p in self._pending.items() if p.owner == owner]
+        stale = self.pending.of_owner(owner)
         self.abort(np.array(stale, dtype=np.int64))
         return len(leases), len(stale)
-
-    @staticmethod
-    def _count(counts: dict[int, int], owner: int, delta: int) -> None:
-        n = counts.get(owner, 0) + delta
-        if n:
-            counts[owner] = n
-        else:
-            counts.pop(owner, None)

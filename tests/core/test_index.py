@@ -10,6 +10,7 @@ from kvd.core.allocator import Allocator
 from kvd.core.index import NO_SLOT, PENDING, READY, Index
 from kvd.core.states import FREE
 from kvd.core.policies import make_policy, policy_names
+from kvd.core.snapshot import copy_live_blocks, live_blocks
 from kvd.core.tenants import Tenants
 
 BLOCK = 4096
@@ -52,10 +53,10 @@ def test_a_lease_can_be_released_in_part():
     store(ix, t, [k(i) for i in range(4)])
     _, slots, lease, _ = ix.lookup(t, [k(i) for i in range(4)], lease_s=10.0, owner=3)
     assert ix.release(lease, slots=slots[:2])
-    assert ix.pins[slots].tolist() == [0, 0, 1, 1] and ix.leased_by[3] == 2
-    assert not ix.leased(lease, slots[:1]) and ix.leased(lease, slots[2:])
+    assert ix.pins[slots].tolist() == [0, 0, 1, 1] and ix.leases.by_owner[3] == 2
+    assert not ix.leases.holds(lease, slots[:1]) and ix.leases.holds(lease, slots[2:])
     assert ix.release(lease, slots=slots[2:])  # the rest: the lease is gone
-    assert ix.pinned_blocks == 0 and ix.leases == 0 and not ix.leased_by.get(3)
+    assert ix.pinned_blocks == 0 and len(ix.leases) == 0 and not ix.leases.by_owner.get(3)
 
 
 def test_tenants_do_not_share_keys():
@@ -166,8 +167,8 @@ def test_invariants_under_random_operations(policy, ops):
                 leases.append(lease)
         elif op == "release" and leases:
             ix.release(leases.pop())
-        elif op == "part" and leases and leases[-1] in ix._leases:
-            held = ix._leases[leases[-1]].slots
+        elif op == "part" and leases and leases[-1] in ix.leases:
+            held = ix.leases.get(leases[-1]).slots
             ix.release(leases[-1], slots=held[:len(ids) % (len(held) + 1)])
         elif op == "abort" and pending:
             ix.abort(np.array(pending[:1]))
@@ -414,7 +415,8 @@ def test_new_blocks_parents_are_kept_and_not_the_calls_known_keys(stored, keys, 
     names = [k(i) for i in keys]
     r = ix.allocate(t, names, parent=parent, chained=chained)
     new = [i for i, s in enumerate(r.slots) if s != NO_SLOT]
-    for p in {id(ix._pending[r.slots[i]]): ix._pending[r.slots[i]] for i in new}.values():
+    calls = ix.pending.calls
+    for p in {id(calls[r.slots[i]]): calls[r.slots[i]] for i in new}.values():
         assert len(p.keys) <= 2 * len(new)
     ix.store_done(np.array([r.slots[i] for i in new], dtype=np.int64), 0)
     for i in new:
@@ -454,13 +456,13 @@ def test_abort_takes_each_pending_slot_once_and_nothing_else():
     store(ix, t, [k(0)])
     ready = ix.lookup(t, [k(0)])[1].tolist()
     pending = [s for s in ix.allocate(t, [k(i) for i in range(1, 6)]).slots]
-    assert ix.pending_blocks == 5 and ix.pending_by == {0: 5}
+    assert ix.pending_blocks == 5 and ix.pending.by_owner == {0: 5}
     slots = np.array(pending[:3] + pending[:3] + ready + [10_000], dtype=np.int64)
     assert ix.abort(slots) == 3
-    assert ix.pending_blocks == 2 and ix.pending_by == {0: 2} and t.blocks == 1
+    assert ix.pending_blocks == 2 and ix.pending.by_owner == {0: 2} and t.blocks == 1
     assert ix.counters.failed_stores == 3 and ix.allocator.used_slots == 3
     assert ix.lookup(t, [k(0)])[0] == 1
-    assert ix.abort(np.array(pending, dtype=np.int64)) == 2 and not ix.pending_by
+    assert ix.abort(np.array(pending, dtype=np.int64)) == 2 and not ix.pending.by_owner
 
 
 def test_a_copy_of_the_live_blocks_made_later_is_the_index_as_it_was():
@@ -473,14 +475,14 @@ def test_a_copy_of_the_live_blocks_made_later_is_the_index_as_it_was():
     r = ix.allocate(t, [k(i) for i in range(6)], parent=k(99))
     ix.store_done(np.array(r.slots, dtype=np.int64), 0, checksums=list(range(6)))
     ix.allocate(t, [k(50)])  # PENDING: not a live block
-    before = ix.live_blocks()
+    before = live_blocks(ix)
     assert [b[1] for b in before] == [k(i) for i in range(6)]
     assert before[0][5] == k(99) and before[1][5] == k(0) and before[2][4] == [2]
-    later = ix.copy_live_blocks()
+    later = copy_live_blocks(ix)
     ix.evict_tenant(t)  # every slot freed, then taken by other keys
     r = ix.allocate(t, [k(i) for i in range(10, 16)])
     ix.store_done(np.array(r.slots, dtype=np.int64), 0, checksums=[7] * 6)
-    assert [b[1] for b in ix.live_blocks()] == [k(i) for i in range(10, 16)]
+    assert [b[1] for b in live_blocks(ix)] == [k(i) for i in range(10, 16)]
     assert list(later()) == before
 
 

@@ -174,7 +174,7 @@ def test_a_position_out_of_range_is_refused_before_the_index_changes(service, de
         looked = service.handle(b"w", peer, m.Lookup(4, keys, depth=depth))
         assert isinstance(looked, m.Error) and looked.code == m.Code.BAD_REQUEST
     assert service.index.pending_blocks == 0 and service.index.ready_blocks == 0
-    assert not service.index.leased_by
+    assert not service.index.leases.by_owner
     ok = service.handle(b"w", peer, m.Allocate(5, keys, depth=(1 << 32) - 4, length=0))
     assert isinstance(ok, m.Allocated) and ok.allocated == 3  # the last positions fit
 
@@ -188,7 +188,7 @@ def test_hits_are_always_leased_so_a_load_cannot_outlive_its_blocks(service):
     service.index.store_done(np.frombuffer(got.slots, dtype=np.uint32).astype(np.int64), 0)
     hit = service.handle(b"w", peer, m.Lookup(4, [b"k"], lease_ms=0))
     assert isinstance(hit, m.LookupOk) and hit.hits == 1 and hit.lease != 0
-    assert service.index.leased(hit.lease, np.frombuffer(hit.slots, dtype=np.uint32)
+    assert service.index.leases.holds(hit.lease, np.frombuffer(hit.slots, dtype=np.uint32)
                                 .astype(np.int64))
     with pytest.raises(ValueError, match="max_lease_ms"):
         Config(max_lease_ms=0)
