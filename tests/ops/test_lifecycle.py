@@ -724,9 +724,9 @@ def test_a_drain_queued_before_the_socket_closed_does_nothing_after_it(tmp_path)
         server = Server(cfg)
         server.loop.call_soon(server.stopping.set)
         await server.run()
-        assert server.sock.closed
+        assert server.router.sock.closed
         try:
-            server._drain()  # what a queued call_soon(self._drain) does at shutdown
+            server.router.drain()  # what a queued call_soon(drain) does at shutdown
             outcome.append(None)
         except BaseException as e:  # noqa: BLE001 - reported below
             outcome.append(e)
