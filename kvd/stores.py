@@ -61,7 +61,8 @@ class StoreRequests:
             share = max(1, self.index.allocator.total_slots(tenant.slot_bytes) * 3 // 4)
             room = min(self.config.max_pending_blocks - pending.get(client.id, 0),
                        share - sum(pending.get(c, 0) for c in tenant.clients))
-            self.counters.quota_cut_keys += max(0, len(msg.keys) - max(room, 0))
+            cut = msg.keys[max(room, 0):]  # (those held or being stored need no slot)
+            self.counters.quota_cut_keys += len(cut) - self.index.known(tenant.id, cut)
             if room <= 0:
                 raise KvdError(f"pending-store quota reached (max_pending_blocks "
                                f"{self.config.max_pending_blocks} per connection, 3/4 of the "

@@ -107,6 +107,10 @@ class Index:
         """Whether the tenant has a READY block under ``key``."""
         return key in self._ready.get(tenant_id, ())
 
+    def known(self, tenant_id: int, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` the tenant has a block for, READY or being stored."""
+        return sum(map(self._spaces.get(tenant_id, {}).__contains__, keys))
+
     @property
     def ready_blocks(self) -> int:
         return len(self.policy)

@@ -334,6 +334,9 @@ def test_one_tenant_holds_at_most_three_quarters_of_the_pool_pending(service):
     # counted (``no_space`` is for a pool with no room: it said nothing of them).
     assert service.counters.quota_cut_keys == asked - got > 64
     assert service.index.counters.no_space == 0
+    cut = service.counters.quota_cut_keys  # keys held or being stored need no slot: not cut
+    service.handle(b"hog", peer, m.Allocate(9, [b"h10-0", b"h10-1", b"new"]))
+    assert service.counters.quota_cut_keys == cut + 1
     reply = service.handle(b"hog2", peers[b"hog2"], m.Allocate(
         3, [b"g%d" % i for i in range(64)], pending_ms=600_000))
     assert isinstance(reply, m.Error) and reply.code == m.Code.BUSY
