@@ -22,7 +22,7 @@ import numpy as np
 
 from kvd.core.allocator import AllocatorError
 from kvd.core.index import Index
-from kvd.core.snapshot import copy_live_blocks, restore_block
+from kvd.core.snapshot import copy_live_blocks, restore_blocks
 from kvd.core.tenants import Tenant, Tenants
 from kvd.engines.base import checksums
 from kvd.errors import ConfigError
@@ -150,14 +150,14 @@ class Persistence:
                 claimed = alloc.claim_many([b.slot for b in blocks], t.slot_bytes)
             except AllocatorError:  # its size no longer fits the pool's geometry
                 claimed = [False] * len(blocks)
-            for b, c in zip(blocks, claimed):
-                if c and restore_block(index, t, b.key, b.slot, b.depth, b.checksums,
-                                       b.parent or None, claimed=True):
-                    rec.restored += 1
-                else:
-                    if c:  # a key restored already (at another slot): this one goes
-                        alloc.free(b.slot)
-                    rec.unplaceable += 1
+            mine = [b for b, c in zip(blocks, claimed) if c]
+            took = restore_blocks(index, t, [b.key for b in mine], [b.slot for b in mine],
+                                  [b.depth for b in mine], [b.checksums for b in mine],
+                                  [b.parent or None for b in mine])
+            gone = [b.slot for b, ok in zip(mine, took) if not ok]
+            alloc.free_many(gone)  # a key restored already (at another slot): this goes
+            rec.restored += len(mine) - len(gone)
+            rec.unplaceable += len(blocks) - len(mine) + len(gone)
         # Tenants dropped at the tenant limit leave no record (their blocks' evictions
         # do): past the limit, those left without a block go again, oldest first.
         over = len(tenants) - tenants.max_tenants

@@ -6,7 +6,7 @@ journal's snapshot reads every READY block, and a warm restart restores them one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -65,30 +65,45 @@ def copy_live_blocks(ix: Table) -> Callable[[], Iterator[LiveBlock]]:
     return made
 
 
-def restore_block(ix: Table, tenant: Tenant, key: bytes, slot: int, depth: int,
-                  checksums: list[int], parent: bytes | None = None,
-                  claimed: bool = False) -> bool:
-    """Put back a READY block found in the pool after a restart (already verified).
-    False when the slot cannot be claimed (geometry changed, or already taken), or the
-    key is held already. ``claimed``: the caller claimed the slot (and frees it if this
-    says False)."""
-    if tenant.prefix + key in ix.entries:
-        return False
-    if not claimed and not ix.allocator.claim(slot, tenant.slot_bytes):
-        return False
-    scoped = tenant.prefix + key
-    ix.entries[scoped] = slot
-    ix._spaces.setdefault(tenant.id, {})[key] = slot
-    ix._ready.setdefault(tenant.id, {})[key] = slot
-    ix._slot_key[slot] = scoped
-    ix._slot_tenant[slot] = tenant
-    ix.state[slot] = READY
-    ix.tenant_of[slot] = tenant.id
-    ix.rank_mask[slot] = tenant.full_mask
-    ix._depth[slot] = depth
-    ix.checksums[slot] = list(checksums)
-    ix.parents[slot] = parent
-    tenant.blocks += 1
+def restore_blocks(ix: Table, tenant: Tenant, keys: Sequence[bytes], slots: Sequence[int],
+                   depths: Sequence[int], checksums: Sequence[list[int]],
+                   parents: Sequence[bytes | None]) -> list[bool]:
+    """Put back READY blocks found in the pool after a restart (verified; their slots
+    claimed by the caller, who frees those this answers False: a key held already, or
+    named twice here, where the first wins). In one batch, the policy told a run of
+    consecutive depths at a time: one block at a time took ~24 us a block (25 s for a
+    million at a start)."""
+    pfx, entries = tenant.prefix, ix.entries
+    first: dict[bytes, int] = {}  # key -> its place, of the keys put back
+    for i, key in enumerate(keys):
+        if key not in first and pfx + key not in entries:
+            first[key] = i
+    took = [False] * len(keys)
+    if not first:
+        return took
+    places = list(first.values())
+    for i in places:
+        took[i] = True
+    got = [slots[i] for i in places]
+    plain = list(first)
+    scoped = [pfx + key for key in plain]
+    entries.update(zip(scoped, got))
+    ix._spaces.setdefault(tenant.id, {}).update(zip(plain, got))
+    ix._ready.setdefault(tenant.id, {}).update(zip(plain, got))
+    ix._slot_key.update(zip(got, scoped))
+    ix._slot_tenant.update(dict.fromkeys(got, tenant))
+    arr = np.array(got, dtype=np.int64)
+    ix.state[arr] = READY
+    ix.tenant_of[arr] = tenant.id
+    ix.rank_mask[arr] = tenant.full_mask
+    ix._depth[arr] = [depths[i] for i in places]
+    ix.checksums.update((slots[i], list(checksums[i])) for i in places)
+    ix.parents.update((slots[i], parents[i]) for i in places)
+    tenant.blocks += len(places)
     ix.allocator.fit(ix.policy, ix._capacity_bound)
-    ix.policy.insert(scoped, depth)
-    return True
+    start = 0
+    for end in range(1, len(places) + 1):  # runs of consecutive depths, in order
+        if end == len(places) or depths[places[end]] != depths[places[end - 1]] + 1:
+            ix.policy.insert_many(scoped[start:end], depths[places[start]])
+            start = end
+    return took

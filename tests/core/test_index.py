@@ -507,3 +507,54 @@ def test_a_flush_of_several_tenants_drops_each_ones_blocks_and_journals_each(n_t
     assert set(ix.checksums) == set(held.tolist())
     ix.release(lease)
     assert ix.evict_tenant(None) == 1 and not ix.entries and ts[-1].blocks == 0
+
+
+def _restore_one_by_one(ix, tenant, key, slot, depth, sums, parent) -> bool:
+    """The rule a restart's batch keeps: each block put back alone, in order."""
+    scoped = tenant.prefix + key
+    if scoped in ix.entries:
+        return False
+    ix.entries[scoped] = slot
+    ix._spaces.setdefault(tenant.id, {})[key] = slot
+    ix._ready.setdefault(tenant.id, {})[key] = slot
+    ix._slot_key[slot] = scoped
+    ix._slot_tenant[slot] = tenant
+    ix.state[slot] = READY
+    ix.tenant_of[slot] = tenant.id
+    ix.rank_mask[slot] = tenant.full_mask
+    ix._depth[slot] = depth
+    ix.checksums[slot] = list(sums)
+    ix.parents[slot] = parent
+    tenant.blocks += 1
+    ix.allocator.fit(ix.policy, ix._capacity_bound)
+    ix.policy.insert(scoped, depth)
+    return True
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3)), max_size=24),
+       st.sampled_from(["lru", "arc", "chain", "adaptive"]))
+def test_a_restarts_batch_restore_equals_one_block_at_a_time(blocks, policy):
+    """Keys named twice (the first wins), keys held already, runs of consecutive
+    depths and breaks: the same tables, answers and policy order as one at a time."""
+    from kvd.core.snapshot import restore_blocks
+
+    made = []
+    for _ in range(2):
+        ix, t, _ = make_index(blocks=32, policy=policy)
+        store(ix, t, [k(0), k(1)])  # held already
+        made.append((ix, t))
+    (batch, tb), (one, to) = made
+    free = [s for s in range(32) if batch.state[s] != READY][:len(blocks)]
+    keys = [k(key) for key, _ in blocks]
+    depths = [d for _, d in blocks]
+    sums = [[i] for i in range(len(blocks))]
+    parents = [k(99) if i % 2 else None for i in range(len(blocks))]
+    took = restore_blocks(batch, tb, keys, free, depths, sums, parents)
+    assert took == [_restore_one_by_one(one, to, *row)
+                    for row in zip(keys, free, depths, sums, parents)]
+    assert batch.entries == one.entries and tb.blocks == to.blocks
+    assert batch._ready == one._ready and batch._slot_key == one._slot_key
+    assert (batch.state == one.state).all() and (batch._depth == one._depth).all()
+    assert batch.checksums == one.checksums and batch.parents == one.parents
+    assert list(batch.policy.victims()) == list(one.policy.victims())
