@@ -400,19 +400,22 @@ def _hidden_problems(layers: list[tuple[str, dict[str, Any]]],
     problems = []
     for i, (source, values) in enumerate(layers):
         above = [j for j in range(i + 1, len(layers)) if hidden_by(values, [j])]
+        said: set[str] = set()
         # Each hiding source left out alone; then all of them at once (a value hidden
         # by a variable and a flag both is still hidden with either one gone).
         for hiders in [[j] for j in above] + ([above] if len(above) > 1 else []):
             hidden = hidden_by(values, hiders)
+            if said.issuperset(hidden):  # (the sources at once: only what is new)
+                continue
             without = {k: v for n, (_, layer) in enumerate(layers) if n not in hiders
                        for k, v in layer.items()}
             why = refused(without)
             if why and not refused({k: v for k, v in without.items() if k not in hidden}
                                    | {k: v for n, (_, layer) in enumerate(layers)
                                       if n < i for k, v in layer.items() if k in hidden}):
-                said = ", ".join(f"{k} = {values[k]!r}" for k in hidden)
+                what = ", ".join(f"{k} = {values[k]!r}" for k in hidden)
                 names = " and the ".join(f"{layers[j][0]}'s" for j in hiders)
-                problems.append(f"{source}: {said} would be refused without the {names} "
+                problems.append(f"{source}: {what} would be refused without the {names} "
                                 f"value{'s' * (len(hiders) > 1)} ({why}); hidden for now")
-                break  # once per source
+                said.update(hidden)
     return problems

@@ -279,3 +279,16 @@ def test_a_bad_value_hidden_by_a_variable_and_a_flag_both_is_warned_of(tmp_path,
     warned = [r.getMessage() for r in caplog.records if r.name == "kvd.config"]
     assert len(warned) == 1 and warned[0].startswith(f"file {f}: max_lease_ms = 0 ")
     assert "without the env's and the flag's values" in warned[0]
+
+
+def test_two_bad_values_hidden_by_two_sources_are_each_warned_of(tmp_path, caplog):
+    """Once one hidden value was said, the source's other one, hidden by another
+    source, went unsaid (and stopped the daemon the day that source went)."""
+    f = tmp_path / "kvd.toml"
+    f.write_text("max_lease_ms = 0\nremote_lookup_ms = -5\n")
+    with caplog.at_level("WARNING", logger="kvd.config"):
+        load(str(f), {"KVD_MAX_LEASE_MS": "100"}, {"remote_lookup_ms": 5})
+    warned = sorted(r.getMessage() for r in caplog.records if r.name == "kvd.config")
+    assert len(warned) == 2
+    assert "max_lease_ms = 0 would be refused without the env's value" in warned[0]
+    assert "remote_lookup_ms = -5 would be refused without the flag's value" in warned[1]
