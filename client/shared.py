@@ -43,7 +43,9 @@ class ClientStats:
     reconnects: int = 0
     lost_transfers: int = 0  # ended without a Done: past deadline + grace, or kvd exited
     wakeups: int = 0  # of the I/O thread: what an engine pays while kvd is away
-    late_leases: int = 0  # leases of Lookups answered after their callers gave up, sent back
+    # Leases of Lookups answered after their callers gave up, sent back (or queued to be:
+    # one a reconnect then drops is counted unavailable as well)
+    late_leases: int = 0
 
 
 class Shared:

@@ -26,10 +26,12 @@ from kvd.core.snapshot import copy_live_blocks, restore_blocks
 from kvd.core.tenants import Tenant, Tenants
 from kvd.engines.base import checksums
 from kvd.errors import ConfigError
+from kvd.gc_pause import collector_paused
 from kvd.journal import Commit, Drop, Header, Journal, Record, Replay, TenantRec, replay
 
 log = logging.getLogger("kvd.persist")
 COMPACT_MIN_RECORDS = 50_000
+CLOSE_WAIT_S = 30.0  # how long a stop waits for a compaction's snapshot to be written
 RETRY_S = 30.0  # after a failed journal write, the next try at a full snapshot
 
 
@@ -65,6 +67,11 @@ class Persistence:
     # ------------------------------------------------------------ start
     def recover(self, index: Index, tenants: Tenants, pool: np.ndarray, reused: bool) -> Recovery:
         """Restore verified blocks into ``index``; then start a fresh compact journal."""
+        with collector_paused():
+            return self._recover(index, tenants, pool, reused)
+
+    def _recover(self, index: Index, tenants: Tenants, pool: np.ndarray,
+                 reused: bool) -> Recovery:
         t0 = time.monotonic()
         rec = self.recovery
         try:
@@ -245,7 +252,12 @@ class Persistence:
         gc.freeze()
         self._compacting = threading.Thread(target=self._compact, args=(snap,),
                                             name="kvd-compact", daemon=True)
-        self._compacting.start()
+        try:
+            self._compacting.start()
+        except BaseException:  # (no thread to be had: nothing to wait for)
+            self._compacting = self._backlog = None
+            gc.unfreeze()
+            raise
 
     def _compact(self, snap: Callable[[], Iterator[Record]]) -> None:
         try:
@@ -278,8 +290,10 @@ class Persistence:
 
     def close(self) -> None:
         if self._compacting is not None:
-            self._compacting.join(timeout=30)
+            self._compacting.join(timeout=CLOSE_WAIT_S)
             self.finish_compaction()
+            if self._compacting is not None:  # a write stuck past the wait: given up
+                gc.unfreeze()
         if self.journal is not None:
             self.journal.close()
         if self._lock_fd is not None:  # removed while held: see _lock
