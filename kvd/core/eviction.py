@@ -20,7 +20,6 @@ from kvd.core.states import FREE, PENDING, READY
 from kvd.core.tenants import Tenant, unscoped
 
 SCAN = 4096  # victims read for a block size before an extent of another size is emptied
-FEW_TENANTS = 8  # a drop touching more tenants than this goes block by block
 
 
 class Table(Protocol):
@@ -238,21 +237,11 @@ class Evictor:
             tenants[0].blocks -= is_ready.count(True)
             self.forget_empty(tenants[0], only_dropped=True)
         else:
-            distinct = {id(t): t for t in tenants}
-            if len(distinct) <= FEW_TENANTS:  # a pass per tenant over the lists
-                for t in distinct.values():
-                    mine = list(map(operator.is_, tenants, repeat(t)))
-                    keys_t = list(compress(plain, mine))
-                    deque(map(ix._spaces[t.id].__delitem__, keys_t), maxlen=0)
-                    ready_map = ix._ready.get(t.id, {})
-                    deque(map(ready_map.pop, keys_t, repeat(None)), maxlen=0)
-                    t.blocks -= sum(compress(is_ready, mine))
-            else:
-                for t, key, r in zip(tenants, plain, is_ready):
-                    del ix._spaces[t.id][key]
-                    ix._ready.get(t.id, {}).pop(key, None)
-                    t.blocks -= r
-            for t in distinct.values():
+            for t, key, r in zip(tenants, plain, is_ready):
+                del ix._spaces[t.id][key]
+                ix._ready.get(t.id, {}).pop(key, None)
+                t.blocks -= r
+            for t in {id(t): t for t in tenants}.values():
                 self.forget_empty(t, only_dropped=True)
         if ix.checksums or ix.record:
             gone = list(compress(slots, is_ready))

@@ -486,7 +486,7 @@ def test_a_copy_of_the_live_blocks_made_later_is_the_index_as_it_was():
     assert list(later()) == before
 
 
-@pytest.mark.parametrize("n_tenants", [1, 3, 12])  # one; a pass per tenant; block by block
+@pytest.mark.parametrize("n_tenants", [1, 3, 12])  # one tenant (its fast path), several
 def test_a_flush_of_several_tenants_drops_each_ones_blocks_and_journals_each(n_tenants):
     a = Allocator(64 * BLOCK, 4 * BLOCK, 1024)
     ix = Index(a, make_policy("adaptive", 64), record=True)
