@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
+import numpy as np
 
 from kvd.access import ACCESS_KEYS, Access, Peer
 from kvd.clients import Client
 from kvd.config import Config
 from kvd.core.index import Index
 from kvd.core.snapshot import live_blocks
-from kvd.core.tenants import Tenants
+from kvd.core.tenants import Tenant, Tenants
 from kvd.errors import RequestError
 from kvd.events import held_commits
 from kvd.publisher import KvEvents
@@ -25,6 +27,9 @@ from kvd.transfers import Send, Transfers
 from kvd_proto import messages as m
 
 log = logging.getLogger("kvd.service")  # handlers log as the service
+# Blocks an admin eviction drops in one turn of the event loop (about 40 ms on 2 cores):
+# a million at once held every engine's requests two seconds.
+EVICT_PART = 16384
 
 
 class AdminRequests:
@@ -40,6 +45,8 @@ class AdminRequests:
     access: Access
     commit: Callable[[], None]
     client_gone: Callable[[bytes, str], None]
+    later: Callable[[Callable[[], None]], object] | None
+    error: Callable[[int, m.Code, str], m.Error]
 
     def _reload(self, identity: bytes, req: int) -> None:
         """kvdctl reload: answered once the configuration is read and applied or refused
@@ -53,8 +60,10 @@ class AdminRequests:
 
         self.reloader(answer)
 
-    def _admin(self, msg: m.Evict | m.Flush | m.GetConfig) -> m.Reply:
-        """Operator requests (kvdctl); they need a Hello, not a tenant."""
+    def _admin(self, identity: bytes, msg: m.Evict | m.Flush | m.GetConfig) -> m.Reply | None:
+        """Operator requests (kvdctl); they need a Hello, not a tenant. An eviction of
+        more than ``EVICT_PART`` blocks goes in parts, requests served in between, and is
+        answered after its last part (None here)."""
         if isinstance(msg, m.GetConfig):
             values = msgspec.json.encode(self.config)
             return m.ConfigOk(msg.req, values, dict(self.origins))
@@ -62,7 +71,32 @@ class AdminRequests:
         target = None if tenant == -1 else self.tenants.get(tenant)
         if tenant != -1 and target is None:
             raise RequestError(f"no tenant {tenant}")
-        n = self.index.evict_tenant(target)
+        slots = self.index.evictable(target)
+        if self.later is None or len(slots) <= EVICT_PART:
+            return self._evicted(msg, target, self.index.evict_slots(slots, target))
+        self._evict_part(identity, msg, target, slots, 0)
+        return None
+
+    def _evict_part(self, identity: bytes, msg: m.Evict | m.Flush, target: Tenant | None,
+                    slots: np.ndarray, n: int) -> None:
+        """One part of an admin eviction; the next is called soon, after the requests
+        that came meanwhile; the last answers."""
+        try:
+            n += self.index.evict_slots(slots[:EVICT_PART], target)
+            rest = slots[EVICT_PART:]
+            if len(rest):
+                self.commit()
+                assert self.later is not None
+                self.later(partial(self._evict_part, identity, msg, target, rest, n))
+                return
+            reply: m.Reply = self._evicted(msg, target, n)
+            self.commit()
+        except Exception as e:  # noqa: BLE001 - answered, never left waiting
+            log.exception("admin %s failed", type(msg).__name__.lower())
+            reply = self.error(msg.req, m.Code.INTERNAL, f"{type(msg).__name__} failed: {e}")
+        self.send(identity, reply)
+
+    def _evicted(self, msg: m.Evict | m.Flush, target: Tenant | None, n: int) -> m.Ok:
         if target is None and self.kv_events is not None:
             self.commit()
             self.kv_events.clear(held_commits(live_blocks(self.index)))

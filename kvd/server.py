@@ -82,6 +82,7 @@ class Server:
                                       if config.persist else "indexing", config.pool_size):
             self.service = Service(config, self.pool, self.paths.engines, self._send)
             self.service.reloader = self.lifecycle.reload
+            self.service.later = self.loop.call_soon
         self.service.extra_status = self._extra_status
         if config.disk_path or config.remote:
             with self.lifecycle.preparing("opening the tiers", 0):

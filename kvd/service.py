@@ -70,6 +70,9 @@ class Service(HandshakeRequests, LeaseRequests, StoreRequests, AdminRequests):
         self.clock = clock
         # Set by the shell: start a reload, then call the answer with its outcome.
         self.reloader: Callable[[Callable[[m.Code, str], None]], None] | None = None
+        # Set by the shell: call a function soon, on the event loop (None: work that
+        # would go in parts is done at once).
+        self.later: Callable[[Callable[[], None]], object] | None = None
         self.instance = uuid.uuid4().hex
         self.started = time.monotonic()
         self._last_tick = clock()
@@ -165,7 +168,7 @@ class Service(HandshakeRequests, LeaseRequests, StoreRequests, AdminRequests):
                                    "not in admin_uids", m.Code.FORBIDDEN)
                 if isinstance(msg, m.Reload):
                     return self._reload(identity, msg.req)
-                return self._admin(msg)
+                return self._admin(identity, msg)
             tenant = client.tenant
             if tenant is None:
                 raise NotRegistered("send Register first")

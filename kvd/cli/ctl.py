@@ -23,12 +23,14 @@ from kvd.errors import ConfigError
 from kvd_proto import messages as m
 
 SYSTEM_CONFIG = "/etc/kvd/kvd.toml"
+EVICT_WAIT_S = 120.0  # for the answer to evict/flush (a million blocks: seconds)
 EPILOG = """\
 exit codes:
   0  ok
   1  unhealthy, access refused, or kvd answered with an error
   2  usage error
-  3  kvd unreachable (not running, no socket, or no answer in --timeout)
+  3  kvd unreachable (not running, no socket, or no answer in --timeout; once
+     kvd answered, evict and flush wait up to 120 s for their own answer)
 
 socket: --socket, else $KVD_SOCKET, else `socket` from --config / $KVD_CONFIG /
 /etc/kvd/kvd.toml, else the daemon's default."""
@@ -171,8 +173,16 @@ def cmd_clients(args: argparse.Namespace) -> int:
     return _out(args, {"clients": st["clients"]}, lambda: render.clients_table(st["clients"]))
 
 
+def _evicting(c: AdminClient, args: argparse.Namespace) -> None:
+    """Connected within --timeout; then the eviction's own answer may take longer (kvd
+    drops a large pool in parts, serving requests in between)."""
+    c.connect()
+    c.timeout = max(args.timeout, EVICT_WAIT_S)
+
+
 def cmd_evict(args: argparse.Namespace) -> int:
     with _client(args) as c:
+        _evicting(c, args)
         reply = c.request(m.Evict, -1 if args.all else args.tenant)
     assert isinstance(reply, m.Ok)
     what = "all tenants" if args.all else f"tenant {args.tenant}"
@@ -182,7 +192,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def cmd_flush(args: argparse.Namespace) -> int:
     with _client(args) as c:
+        _evicting(c, args)
         reply = c.request(m.Flush)
+        c.timeout = args.timeout
         st = fetch_status(c)
     assert isinstance(reply, m.Ok)
     kept = st["blocks"]["ready"] + st["blocks"]["pending"]

@@ -382,6 +382,14 @@ class Index:
         """Admin eviction of READY unpinned blocks (one tenant, or all when None)."""
         return self.evictor.evict_tenant(tenant)
 
+    def evictable(self, tenant: Tenant | None) -> np.ndarray:
+        """The slots an admin eviction takes, for ``evict_slots`` to take in parts."""
+        return self.evictor.evictable(tenant)
+
+    def evict_slots(self, slots: np.ndarray, tenant: Tenant | None) -> int:
+        """Admin eviction of those of ``slots`` still READY, unpinned and ``tenant``'s."""
+        return self.evictor.evict_slots(slots, tenant)
+
     def forget(self, tenant: Tenant) -> None:
         """A tenant dropped (the tenant limit): its key tables go, now if empty, else
         with its last block (``Evictor``). Each new fingerprint (engines restarted with

@@ -4,6 +4,7 @@ framing and layout, sequence numbers, replay, flush, eviction and a stuck subscr
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import threading
@@ -14,6 +15,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvd.admin import EVICT_PART
 from kvd.cli import ctl
 from kvd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode
 from kvd_client import Connection
@@ -887,3 +889,44 @@ def test_ipc_endpoints_are_removed_at_the_stop(daemon_factory, tmp_path):
         sub.close()
     assert d.stop() == 0
     assert not pub.exists() and not rep.exists()
+
+
+class _SmallPages(Engine):
+    """A tenant of small blocks, so that a pool holds many of them."""
+
+    def __init__(self, socket: str) -> None:
+        self.spec = Spec(socket, model="small", pages=(2048, 2048))
+        self.sched = Connection(socket, name="small",
+                                register=m.Register(0, fingerprint(self.spec), -1))
+        assert self.sched.wait_up(10)
+        self.worker = Worker(self.spec)
+        self.event = 0
+
+
+def test_a_flush_of_many_blocks_goes_in_parts_and_ends_with_all_cleared(daemon_factory,
+                                                                        capsys):
+    """A flush larger than one part (``kvd.admin.EVICT_PART``) is answered after its last
+    part, with every block counted, and routers are told the node holds nothing."""
+    n = 2 * EVICT_PART + 100
+    d = daemon_factory(*EVENTS, "--pool-size", f"{(n * 4096 >> 20) + 8}M",
+                       "--extent-size", "1M")
+    sub = Sub(endpoints(d)[0])
+    eng = _SmallPages(d.socket)
+    try:
+        for i in range(0, n, 4096):  # (at most 3/4 of the pool is pending at once)
+            ks = [key(j) for j in range(i, min(n, i + 4096))]
+            assert NO_SLOT not in unpack_u32(eng.store(ks).slots)
+        assert d.status()["blocks"]["ready"] == n
+        while not sub.quiet():
+            sub.recv()
+        assert ctl.main(["--socket", d.socket, "flush", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["evicted_blocks"] == n
+        last = []
+        while not sub.quiet(1.0):
+            last = decode(sub.recv()[2]).events
+        assert last == [AllBlocksCleared()]
+        assert d.status()["blocks"]["ready"] == 0
+    finally:
+        eng.close()
+        sub.close()
+        capsys.readouterr()
