@@ -21,6 +21,13 @@ from kvd_proto import messages as m
 GRACE_S = m.EXPIRY_GRACE_NS / 1e9
 
 
+class Call(Future):
+    """A call's future, and the daemon run the call went to (set as it is sent): a
+    lease in a reply its caller gave up on goes back to that run, and only to it."""
+
+    run = ""
+
+
 class Bookkeeping:
     """The calls and Transfers in flight (used under the connection's ``_lock``)."""
 
@@ -42,6 +49,8 @@ class Bookkeeping:
             self.transfers[msg.req] = (msg, msg.deadline_ns / 1e9 + GRACE_S, self.c.instance)
             self.in_flight[self.c.instance] += 1
         else:
+            if isinstance(fut, Call):
+                fut.run = self.c.instance
             self.pending[msg.req] = (fut, time.monotonic() + self.c.timeout * 2,
                                      type(msg).__name__)
 

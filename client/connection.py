@@ -38,6 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 import zmq
 
+from kvd_client.bookkeeping import Call
 from kvd_client.errors import KvdClientError, Timeout, Unavailable
 from kvd_client.io_loop import IOLoop
 from kvd_client.process import leave_compute_cpus
@@ -130,7 +131,7 @@ class Connection(Shared):
     def submit(self, msg: m.Request, _wait: float = 0.0) -> Future:
         """Send now; the future gets the reply (or Unavailable / Timeout / RemoteError).
         (``_wait``: ``request``'s receive window.)"""
-        fut: Future = Future()
+        fut: Future = Call()
         if isinstance(msg, m.Transfer):  # its Done goes to on_done, never to a future
             fut.set_exception(KvdClientError("a Transfer is sent with send(), not submit()"))
             return fut
@@ -151,25 +152,26 @@ class Connection(Shared):
         """Send and wait for the reply; one that comes within ``RECEIVE_WINDOW_S`` is
         received on this thread (no hand-off to the I/O thread and back)."""
         limit = self.timeout if timeout is None else timeout
-        instance = self.instance  # (a reply comes from the run it was sent to)
         fut = self.submit(msg, min(limit, RECEIVE_WINDOW_S))
         try:
             return fut.result(limit)
         except FutureTimeout:
             self.stats.timeouts += 1
             if not fut.cancel():  # sent: a reply may still come, to nobody
-                fut.add_done_callback(lambda f: self._unclaimed(f, instance))
+                fut.add_done_callback(self._unclaimed)
             raise Timeout(f"kvd did not answer {type(msg).__name__} in time") from None
 
-    def _unclaimed(self, fut: Future, instance: str) -> None:
+    def _unclaimed(self, fut: Future) -> None:
         """A reply its caller gave up waiting for: a lease in it goes back (as the I/O
         thread gives back one that comes after the call's expiry), to the daemon run
-        that gave it (connected to another by then, the Release is not sent)."""
-        if fut.cancelled() or fut.exception() is not None:
+        the call went to (connected to another by then, the Release is not sent: that
+        run's lease ids mean other leases). The run is the one the call was sent to,
+        not the one when ``request`` began: a reconnect may come in between."""
+        if fut.cancelled() or fut.exception() is not None or not isinstance(fut, Call):
             return
         reply = fut.result()
-        if isinstance(reply, m.LookupOk) and reply.lease \
-                and self._queue((m.Release(self.next_req(), reply.lease), None, instance)):
+        if isinstance(reply, m.LookupOk) and reply.lease and fut.run \
+                and self._queue((m.Release(self.next_req(), reply.lease), None, fut.run)):
             self.stats.late_leases += 1
 
     def send(self, msg: m.Transfer, instance: str = "") -> bool:

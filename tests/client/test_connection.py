@@ -169,6 +169,47 @@ def test_a_lookup_answered_after_its_caller_gave_up_gives_its_lease_back(daemon,
             conn.close()
 
 
+def test_a_late_lease_goes_back_to_the_run_the_lookup_went_to(daemon_factory):
+    """``request`` took the daemon run before sending: a reconnect in between sent the
+    Lookup to the new run while its late lease was marked for the old one, so it was
+    never given back (pinned for the lease's 30 s)."""
+    d = daemon_factory("--persist")  # (the new run has the blocks too)
+    c, sched, dones, _mem = worker_and_scheduler(d.socket)
+    spec = Spec(d.socket, pages=(4096,))
+    late = Connection(d.socket, ping_interval=1.0, timeout=0.5,
+                      register=m.Register(0, fingerprint(spec), -1))
+    try:
+        assert c.wait_up(5) and sched.wait_up(5) and late.wait_up(5)
+        slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), [b"a", b"b"])).slots)
+        assert c.send(m.Transfer(c.next_req(), 4, m.Direction.STORE, pack_u32([0, 1]),
+                                 pack_u32(slots)))
+        assert wait_for(lambda: dones and dones[-1].event == 4, 5)
+        assert dones[-1].code == m.Code.OK
+        first, submit = late.instance, late.submit
+
+        def reconnecting_first(msg: m.Request, _wait: float = 0.0):
+            late.submit = submit  # (once)
+            d.restart()
+            assert wait_for(lambda: late.up and late.instance != first, 10)
+            d.proc.send_signal(signal.SIGSTOP)  # answers once the caller gave up
+            return submit(msg, _wait)
+
+        late.submit = reconnecting_first  # type: ignore[method-assign]
+        try:
+            with pytest.raises(Timeout):
+                late.request(m.Lookup(late.next_req(), [b"a", b"b"]))
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: late.stats.late_leases == 1, 5)
+        assert wait_for(lambda: d.status()["blocks"]["leases"] == 0, 5)
+        assert d.status()["blocks"]["pinned"] == 0 and d.status()["blocks"]["ready"] == 2
+    finally:
+        if d.proc is not None:
+            d.proc.send_signal(signal.SIGCONT)
+        for conn in (c, sched, late):
+            conn.close()
+
+
 def test_a_connection_replaced_after_a_pause_lets_go_of_what_it_held(daemon_factory):
     """The daemon was only paused: the connection declared lost says Bye on its way
     out, so its PENDING slots come back at once, not after client_timeout_ms (a minute)."""
