@@ -136,23 +136,31 @@ def test_a_hung_daemon_costs_at_most_the_deadline(daemon):
         c.close()
 
 
+def two_blocks_and_a_caller_that_gives_up(socket: str):
+    """Blocks ``a`` and ``b`` stored; a scheduler connection that gives a call up after
+    0.5 s (expired after 1 s) and pings every second: (worker, scheduler, it, the
+    worker's memory: keep it while the daemon may copy)."""
+    c, sched, dones, mem = worker_and_scheduler(socket)
+    spec = Spec(socket, pages=(4096,))
+    late = Connection(socket, ping_interval=1.0, timeout=0.5,
+                      register=m.Register(0, fingerprint(spec), -1))
+    assert c.wait_up(5) and sched.wait_up(5) and late.wait_up(5)
+    slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), [b"a", b"b"])).slots)
+    assert c.send(m.Transfer(c.next_req(), 4, m.Direction.STORE, pack_u32([0, 1]),
+                             pack_u32(slots)))
+    assert wait_for(lambda: dones and dones[-1].event == 4, 5)
+    assert dones[-1].code == m.Code.OK
+    return c, sched, late, mem
+
+
 @pytest.mark.parametrize("stall", [0.7, 1.6])  # past the call's wait; past its expiry
 def test_a_lookup_answered_after_its_caller_gave_up_gives_its_lease_back(daemon, stall):
     """A daemon stalled past a call's time but not the link's (pings every second):
     the LookupOk it sent on waking leased the hits for nobody (the reply was dropped,
     or set on a future nobody read), and they stayed pinned, unevictable, for the
     lease's 30 s after every request had ended."""
-    c, sched, dones, _mem = worker_and_scheduler(daemon.socket)
-    spec = Spec(daemon.socket, pages=(4096,))
-    late = Connection(daemon.socket, ping_interval=1.0, timeout=0.5,
-                      register=m.Register(0, fingerprint(spec), -1))
+    c, sched, late, _mem = two_blocks_and_a_caller_that_gives_up(daemon.socket)
     try:
-        assert c.wait_up(5) and sched.wait_up(5) and late.wait_up(5)
-        slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), [b"a", b"b"])).slots)
-        assert c.send(m.Transfer(c.next_req(), 4, m.Direction.STORE, pack_u32([0, 1]),
-                                 pack_u32(slots)))
-        assert wait_for(lambda: dones and dones[-1].event == 4, 5)
-        assert dones[-1].code == m.Code.OK
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
             with pytest.raises(Timeout):
@@ -174,17 +182,8 @@ def test_a_late_lease_goes_back_to_the_run_the_lookup_went_to(daemon_factory):
     Lookup to the new run while its late lease was marked for the old one, so it was
     never given back (pinned for the lease's 30 s)."""
     d = daemon_factory("--persist")  # (the new run has the blocks too)
-    c, sched, dones, _mem = worker_and_scheduler(d.socket)
-    spec = Spec(d.socket, pages=(4096,))
-    late = Connection(d.socket, ping_interval=1.0, timeout=0.5,
-                      register=m.Register(0, fingerprint(spec), -1))
+    c, sched, late, _mem = two_blocks_and_a_caller_that_gives_up(d.socket)
     try:
-        assert c.wait_up(5) and sched.wait_up(5) and late.wait_up(5)
-        slots = unpack_u32(sched.request(m.Allocate(sched.next_req(), [b"a", b"b"])).slots)
-        assert c.send(m.Transfer(c.next_req(), 4, m.Direction.STORE, pack_u32([0, 1]),
-                                 pack_u32(slots)))
-        assert wait_for(lambda: dones and dones[-1].event == 4, 5)
-        assert dones[-1].code == m.Code.OK
         first, submit = late.instance, late.submit
 
         def reconnecting_first(msg: m.Request, _wait: float = 0.0):
