@@ -10,8 +10,8 @@ at the end of the step (``on_schedule_end``). Scans then answer from the reply: 
 for the leased run, HIT_PENDING for blocks still being stored, MISS for the key after
 them. A reply that does not come within ``lookup_timeout_ms`` is a miss: vLLM itself
 would park the request forever. An engine's first requests wait the same way for the
-connection's first handshake (``_await_connection``); later, while kvd is unreachable,
-lookups miss at once.
+connection's first handshake (``LookupWait.await_connection``); later, while kvd is
+unreachable, lookups miss at once.
 
 The reply's lease pins the hit blocks in the daemon until the load completed or the
 request went away (Release), or it lapses (``lease_ms``). A request loads from kvd at
@@ -21,6 +21,10 @@ load (recomputed by vLLM) from being retried forever.
 Stores cost no round trip: ``prepare_store`` sends an Allocate under a fresh ticket and
 returns; the workers' Transfers name the ticket one step later, and the daemon copies
 the blocks whose keys got a slot (keys it holds already are skipped).
+
+Beside this module: ``request_state`` (a request's lookup state, and its lease's release
+when it ends), ``lookup_wait`` (the per-step wait budget) and ``positions`` (the depth,
+chain and length that Lookups and Allocates name).
 """
 
 from __future__ import annotations
@@ -29,10 +33,9 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -48,48 +51,17 @@ from kvd_client.connection import Connection
 from kvd_client.errors import KvdClientError
 from kvd_client.vllm.failopen import Boundary
 from kvd_client.vllm.fingerprint import EngineFacts, root_hash_matches
+from kvd_client.vllm.lookup_wait import LookupWait
 from kvd_client.vllm.options import KvdOptions, KvdSlots, skip_store
+from kvd_client.vllm.positions import Positions
+from kvd_client.vllm.request_state import ANSWERED, COLLECT, WAIT, Leases, ReqState
 from kvd_proto import messages as m
 from kvd_proto.ids import NO_SLOT, unpack_u32
 
 log = logging.getLogger("vllm.kvd_client")  # under vLLM's logging config
 MISS, HIT, HIT_PENDING, RETRY = (LookupResult.MISS, LookupResult.HIT,
                                  LookupResult.HIT_PENDING, LookupResult.RETRY)
-COLLECT, WAIT, ANSWERED = "collect", "wait", "answered"
 MAX_ASKED_AGAIN = 2  # per request: a scan past the reply's keys may ask anew this often
-
-
-@dataclass(eq=False)
-class _Req:
-    """One request's lookup state (scheduler thread only)."""
-
-    ctx: ReqContext
-    first_seen: float
-    phase: str = COLLECT
-    keys: dict[bytes, None] = field(default_factory=dict)  # the scan being collected
-    sent: list[bytes] = field(default_factory=list)
-    future: Future | None = None
-    deadline: float = 0.0
-    hits: dict[bytes, int] = field(default_factory=dict)  # key -> slot (leased)
-    pending: frozenset[bytes] = frozenset()
-    answered: frozenset[bytes] = frozenset()  # keys the reply speaks for (hits, pending, first miss)
-    asked_again: int = 0  # new Lookups for keys past an earlier reply
-    gave_up: bool = False  # no usable reply (deadline, error): the rest is a miss
-    lease: int = 0
-    lease_until: float = 0.0
-    epoch: int = 0  # the connection's registration the Lookup went out on
-    instance: str = ""
-    refresh: bool = False  # answered HIT_PENDING: ask again at the end of the step
-    served: bool = False  # the current reply answered a HIT (its lease was live then)
-    loaded: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _LastStored:
-    """A request's last stored key and its end token (ReqContext state)."""
-
-    key: bytes
-    end: int | None
 
 
 class KvdManager(OffloadingManager):
@@ -99,23 +71,20 @@ class KvdManager(OffloadingManager):
         self.fingerprint = fingerprint
         self.facts = facts
         self.tokens_per_key = facts.block_tokens
+        self.positions = Positions(facts.block_tokens)
         self.boundary = Boundary("scheduler")
         self.conn = connection or Connection(
             options.socket, name=f"vllm-scheduler:{facts.engine_id}",
             timeout=options.call_timeout_ms / 1000,
             register=m.Register(0, fingerprint, rank=-1))
+        self.leases = Leases(self.conn)
+        self.lookup_wait = LookupWait(self.conn, options, self.boundary)
         self.disabled = ""  # why kvd is off for this engine ("" = on)
         self._root_checked = False
-        self._reqs: dict[str, _Req] = {}
-        self._ended_loading: dict[str, _Req] = {}  # ended with a load out (``_end``)
-        self._to_send: list[_Req] = []  # scans collected this step
-        self._refresh: list[_Req] = []  # answered HIT_PENDING this step
-        self._waiting = 0  # Lookups in flight
-        self._abandoned: list[Future] = []
-        self._wait_left = options.lookup_wait_ms / 1000  # this step's budget for replies
+        self._reqs: dict[str, ReqState] = {}
+        self._to_send: list[ReqState] = []  # scans collected this step
+        self._refresh: list[ReqState] = []  # answered HIT_PENDING this step
         self._arrived: ReqContext | None = None  # the request vLLM announced last
-        self._connecting: dict[str, float] = {}  # req -> first seen, before the first handshake
-        self._connect_gave_up = False
         # Allocate tickets: unique within the tenant (engines sharing it pick at random).
         self._tickets = itertools.count(int.from_bytes(os.urandom(4), "little") << 31 | 1)
 
@@ -131,12 +100,12 @@ class KvdManager(OffloadingManager):
         st = self._reqs.get(ctx.req_id)
         if st is None:
             if not self.conn.up:
-                if not self._await_connection(ctx.req_id, now):
+                if not self.lookup_wait.await_connection(ctx.req_id, now):
                     self.boundary.count("lookup.unavailable")  # breaker open: miss at once
                     return MISS
                 if not self.conn.up:
                     return RETRY
-            st = self._reqs[ctx.req_id] = _Req(ctx, now)
+            st = self._reqs[ctx.req_id] = ReqState(ctx, now)
             self._to_send.append(st)
         if st.loaded:
             return MISS
@@ -147,13 +116,13 @@ class KvdManager(OffloadingManager):
             assert st.future is not None
             if not st.future.done():  # a reply on its way beats a parked step
                 future = st.future
-                self._spend_wait(lambda left: wait_futures((future,), timeout=left))
+                self.lookup_wait.spend_wait(lambda left: wait_futures((future,), timeout=left))
             if st.future.done():
                 self._absorb(st)
             elif now >= st.deadline:
                 self.boundary.note("lookup", "deadline", f"no Lookup reply in "
                                    f"{self.options.lookup_timeout_ms} ms; serving as a miss")
-                self._abandon(st)
+                self.leases.abandon(st)
                 st.phase, st.gave_up = ANSWERED, True
             else:
                 return RETRY
@@ -164,7 +133,7 @@ class KvdManager(OffloadingManager):
         # waiting for ever.
         if st.hits and (now >= st.lease_until or st.epoch != self.conn.epoch):
             if not st.served and st.asked_again >= MAX_ASKED_AGAIN:
-                self._release(st)
+                self.leases.release(st)
                 st.gave_up = True
                 return MISS
             return self._ask_again(st, key)
@@ -182,47 +151,18 @@ class KvdManager(OffloadingManager):
         # itself, kvd does not): ask about the keys from here.
         return self._ask_again(st, key)
 
-    def _await_connection(self, req_id: str, now: float) -> bool:
-        """Whether a request should wait for the first handshake instead of missing.
-
-        An engine's first requests can come while its connection is still being set up
-        (the handshake takes a few round trips, longer on a busy machine): their blocks
-        may well be in kvd, so they wait for it like for a Lookup reply, within this
-        step's wait budget, then RETRY until ``lookup_timeout_ms``. Only before the first
-        registration and only while a daemon is answering: a daemon that is not there, or
-        a connection lost later, misses at once. Once one request waited in vain, the
-        next ones do not.
-        """
-        if self.conn.epoch or self._connect_gave_up or not self.conn.handshaking:
-            return False
-        first = self._connecting.setdefault(req_id, now)
-        if now - first >= self.options.lookup_timeout_ms / 1000:
-            self._connect_gave_up = True
-            self.boundary.note("lookup", "connecting", f"kvd did not complete the handshake "
-                               f"in {self.options.lookup_timeout_ms} ms; serving as a miss")
-            return False
-        self._spend_wait(self.conn.wait_up)
-        return True
-
-    def _spend_wait(self, wait: Callable[[float], object]) -> None:
-        """Wait for something on its way, out of this step's ``lookup_wait_ms`` budget."""
-        if self._wait_left > 0:
-            started = time.monotonic()
-            wait(self._wait_left)
-            self._wait_left -= time.monotonic() - started
-
-    def _ask_again(self, st: _Req, key: bytes) -> LookupResult:
-        self._release(st)
+    def _ask_again(self, st: ReqState, key: bytes) -> LookupResult:
+        self.leases.release(st)
         st.asked_again += 1
         st.phase, st.keys, st.answered = COLLECT, {key: None}, frozenset()
         self._to_send.append(st)
         return RETRY
 
-    def _absorb(self, st: _Req) -> None:
+    def _absorb(self, st: ReqState) -> None:
         assert st.future is not None
         fut, st.future, st.phase = st.future, None, ANSWERED
         st.hits, st.pending, st.gave_up = {}, frozenset(), True
-        self._waiting -= 1
+        self.leases.waiting -= 1
         try:
             reply = fut.result(0)
         except KvdClientError as e:
@@ -256,82 +196,37 @@ class KvdManager(OffloadingManager):
             return
         arrived, self._arrived = self._arrived, None
         ctx = arrived if arrived is not None and arrived.req_id == req_id else ReqContext(req_id)
-        st = self._reqs[req_id] = _Req(ctx, time.monotonic())
+        st = self._reqs[req_id] = ReqState(ctx, time.monotonic())
         self._send_lookup(st, keys)
         self.boundary.count("lookup.prefetched")
 
-    def _send_lookup(self, st: _Req, keys: list[bytes]) -> None:
+    def _send_lookup(self, st: ReqState, keys: list[bytes]) -> None:
         now = time.monotonic()
         st.sent, st.keys, st.refresh, st.served = keys, {}, False, False
         st.instance, st.epoch = self.conn.instance, self.conn.epoch
         st.future = self.conn.submit(m.Lookup(self.conn.next_req(), keys,
                                               lease_ms=self.options.lease_ms,
-                                              depth=self._depth(st.ctx, keys[0])))
+                                              depth=self.positions.depth(st.ctx, keys[0])))
         st.phase = WAIT
-        self._waiting += 1
+        self.leases.waiting += 1
         st.deadline = now + self.options.lookup_timeout_ms / 1000
         # Keep a margin: a lease that lapses under a load could hand out a reused slot.
         st.lease_until = now + self.options.lease_ms / 1000 * 0.8
         self.boundary.count("lookup.sent")
-
-    def _depth(self, ctx: ReqContext, key: bytes) -> int:
-        pos = ctx.get_offload_key_position(key)  # end token of the key's block
-        return max(0, pos // self.tokens_per_key - 1) if pos else 0
-
-    def _chain(self, ctx: ReqContext, keys: list[bytes], depth: int) -> tuple[bytes, bool]:
-        """For the KV events: the request's key before ``keys[0]`` (b"" at the chain's
-        start or when unknown), as vLLM's own events name it, and whether ``keys`` are
-        consecutive blocks (vLLM skips some in a sliding-window group). From the end
-        positions vLLM's scheduler recorded; the previous store's last key is tried
-        first, so a prompt stored in parts does not search the request each time."""
-        positions = getattr(ctx, "_offload_key_positions", None)
-        if not isinstance(positions, dict):
-            return b"", len(keys) == 1
-        step = self.tokens_per_key
-        ends = [positions.get(k) for k in keys]
-        chained = None not in ends and all(b - a == step for a, b in zip(ends, ends[1:]))
-        last = None
-        if hasattr(ctx, "set_state"):
-            last = ctx.get_state(_LastStored)
-            ctx.set_state(_LastStored(keys[-1], ends[-1]))
-        start = ends[0]
-        if depth == 0 or start is None:
-            return b"", chained
-        if last is not None and last.end == start - step and last.key in positions:
-            return last.key, chained
-        order = list(positions)
-        try:
-            i = order.index(keys[0])
-        except ValueError:
-            return b"", chained
-        if i and positions[order[i - 1]] == start - step:
-            return order[i - 1], chained
-        return b"", chained
-
-    def _length(self, ctx: ReqContext) -> int:
-        """Blocks of the request so far (0: unknown). vLLM's scheduler records the end
-        token of every key of the request in order, not only of those stored this step:
-        a prompt stored in parts (chunked prefill) names its whole length in each part.
-        The last recorded is the furthest (O(1); the daemon never takes less than the
-        part's own end)."""
-        positions = getattr(ctx, "_offload_key_positions", None)
-        if not isinstance(positions, dict) or not positions:
-            return 0
-        return int(next(reversed(positions.values()))) // self.tokens_per_key
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.boundary.guard("on_schedule_end", lambda: None,
                             lambda: self._schedule_end(context.preempted_req_ids))
 
     def _schedule_end(self, preempted: Collection[str] = ()) -> None:
-        self._wait_left = self.options.lookup_wait_ms / 1000
+        self.lookup_wait.new_step()
         # A preempted request lost its blocks and is scanned again from its start: it
         # looks up anew (a request that loaded misses after that, so that a load that
         # failed is not tried again and again; preemption is not that).
         for req_id in preempted:
             st = self._reqs.pop(req_id, None)
             if st is not None:
-                self._drop(st)
+                self.leases.drop(st)
         to_send, self._to_send = self._to_send, []
         for st in to_send:
             if st.phase == COLLECT and st.keys and self._reqs.get(st.ctx.req_id) is st:
@@ -339,19 +234,20 @@ class KvdManager(OffloadingManager):
         refresh, self._refresh = self._refresh, []
         for st in refresh:  # blocks were being stored: ask again
             if st.phase == ANSWERED and self._reqs.get(st.ctx.req_id) is st:
-                self._release(st)
+                self.leases.release(st)
                 self._send_lookup(st, st.sent)
             st.refresh = False
-        self._reap_abandoned()
-        if self._ended_loading:  # (see _end)
-            now, ended = time.monotonic(), self._ended_loading
+        self.leases.reap_abandoned()
+        if self.leases.ended_loading:  # (see Leases.end)
+            now, ended = time.monotonic(), self.leases.ended_loading
             for req in [r for r, s in ended.items() if s.lease_until <= now]:
-                self._release(ended.pop(req))
+                self.leases.release(ended.pop(req))
 
     def has_pending_work(self) -> bool:
-        # _abandoned: replies still to come whose leases must be released (an idle
+        # leases.abandoned: replies still to come whose leases must be released (an idle
         # engine takes no step otherwise, and they stay pinned until they lapse)
-        return bool(self._to_send or self._refresh or self._waiting or self._abandoned)
+        return bool(self._to_send or self._refresh or self.leases.waiting
+                    or self.leases.abandoned)
 
     # ------------------------------------------------------------ loads
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> KvdSlots:
@@ -377,9 +273,9 @@ class KvdManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         st = (self._reqs.get(req_context.req_id)
-              or self._ended_loading.pop(req_context.req_id, None))
+              or self.leases.ended_loading.pop(req_context.req_id, None))
         if st is not None:
-            self.boundary.guard("complete_load", lambda: None, lambda: self._release(st))
+            self.boundary.guard("complete_load", lambda: None, lambda: self.leases.release(st))
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         return  # recency is the daemon's: lookups and stores carry depth
@@ -400,11 +296,11 @@ class KvdManager(OffloadingManager):
         # No round trip here: the slots stay with the daemon under the ticket, and the
         # workers name it one step later, when vLLM submits the store.
         ticket = next(self._tickets)
-        depth = self._depth(ctx, keys[0])
-        parent, chained = self._chain(ctx, keys, depth)
+        depth = self.positions.depth(ctx, keys[0])
+        parent, chained = self.positions.chain(ctx, keys, depth)
         fut = self.conn.submit(m.Allocate(self.conn.next_req(), keys, depth=depth,
                                           pending_ms=self.options.pending_ms, ticket=ticket,
-                                          length=self._length(ctx), parent=parent,
+                                          length=self.positions.length(ctx), parent=parent,
                                           chained=chained))
         fut.add_done_callback(self._count_allocated)
         return PrepareStoreOutput(keys_to_store=keys,
@@ -454,13 +350,13 @@ class KvdManager(OffloadingManager):
                       self.facts.hash_algo)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._connecting.pop(req_context.req_id, None)
+        self.lookup_wait.forget(req_context.req_id)
         st = self._reqs.pop(req_context.req_id, None)
         if st is not None:
-            self.boundary.guard("on_request_finished", lambda: None, lambda: self._end(st))
+            self.boundary.guard("on_request_finished", lambda: None, lambda: self.leases.end(st))
             # vLLM calls this after on_schedule_end: a reply already in (a request that
             # never scanned, e.g. its prompt cached in the engine) is released now
-            self.boundary.guard("on_request_finished", lambda: None, self._reap_abandoned)
+            self.boundary.guard("on_request_finished", lambda: None, self.leases.reap_abandoned)
 
     def reset_cache(self) -> None:
         self.boundary.guard("reset_cache", lambda: None, self._drop_all)
@@ -484,48 +380,5 @@ class KvdManager(OffloadingManager):
         self._to_send, self._refresh = [], []
         for r, st in reqs.items():
             if r not in self._reqs:
-                self._drop(st)
-        self._reap_abandoned()
-
-    def _end(self, st: _Req) -> None:
-        """A request ended. One whose load was handed to the workers keeps its lease until
-        that load's complete_load, which vLLM still calls after the end (an aborted
-        request's load leaves in the very step that ends it): released now, the load's
-        Transfer would find the lease gone and fail. Kept at most until the lease's own
-        margin runs out (``_schedule_end``), should complete_load never come."""
-        if st.loaded and st.lease and st.future is None and st.lease_until > time.monotonic():
-            self._ended_loading[st.ctx.req_id] = st
-        else:
-            self._drop(st)
-
-    def _drop(self, st: _Req) -> None:
-        self._release(st)
-        if st.future is not None:
-            self._abandon(st)
-
-    def _release(self, st: _Req) -> None:
-        lease, st.lease, st.hits, st.pending = st.lease, 0, {}, frozenset()
-        if lease and self.conn.up and st.instance == self.conn.instance:
-            self.conn.submit(m.Release(self.conn.next_req(), lease))  # fire and forget
-
-    def _abandon(self, st: _Req) -> None:
-        assert st.future is not None
-        self._abandoned.append(st.future)
-        self._waiting -= 1
-        st.future = None
-        st.hits, st.pending = {}, frozenset()
-
-    def _reap_abandoned(self) -> None:
-        """Release the leases of Lookup replies that came after their request gave up."""
-        keep = []
-        for fut in self._abandoned:
-            if not fut.done():
-                keep.append(fut)
-                continue
-            try:
-                reply = fut.result(0)
-            except Exception:  # noqa: BLE001 - nothing was leased
-                continue
-            if isinstance(reply, m.LookupOk) and reply.lease and self.conn.up:
-                self.conn.submit(m.Release(self.conn.next_req(), reply.lease))
-        self._abandoned = keep
+                self.leases.drop(st)
+        self.leases.reap_abandoned()

@@ -233,10 +233,10 @@ def test_an_ended_request_whose_load_never_completes_gives_its_lease_back(daemon
         mgr.on_request_finished(ctx)
         assert wait_leases(daemon, 1) == 1
         mgr.on_schedule_end(END)
-        assert mgr._ended_loading  # its margin (0.8 of the lease) still runs
+        assert mgr.leases.ended_loading  # its margin (0.8 of the lease) still runs
         time.sleep(3.3)
         mgr.on_schedule_end(END)
-        assert not mgr._ended_loading and wait_leases(daemon, 0) == 0
+        assert not mgr.leases.ended_loading and wait_leases(daemon, 0) == 0
     finally:
         mgr.shutdown()
         worker.shutdown()
