@@ -157,9 +157,14 @@ class Connection(Shared):
             return fut.result(limit)
         except FutureTimeout:
             self.stats.timeouts += 1
-            if not fut.cancel():  # sent: a reply may still come, to nobody
-                fut.add_done_callback(self._unclaimed)
+            self.give_up(fut)
             raise Timeout(f"kvd did not answer {type(msg).__name__} in time") from None
+
+    def give_up(self, fut: Future) -> None:
+        """The caller stops waiting for a call of ``submit``'s: not sent yet, it is not
+        sent; sent, a lease in its reply (in already, or when it comes) goes back."""
+        if not fut.cancel():  # sent: a reply may still come, to nobody
+            fut.add_done_callback(self._unclaimed)
 
     def _unclaimed(self, fut: Future) -> None:
         """A reply its caller gave up waiting for: a lease in it goes back (as the I/O

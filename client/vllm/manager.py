@@ -237,17 +237,13 @@ class KvdManager(OffloadingManager):
                 self.leases.release(st)
                 self._send_lookup(st, st.sent)
             st.refresh = False
-        self.leases.reap_abandoned()
         if self.leases.ended_loading:  # (see Leases.end)
             now, ended = time.monotonic(), self.leases.ended_loading
             for req in [r for r, s in ended.items() if s.lease_until <= now]:
                 self.leases.release(ended.pop(req))
 
     def has_pending_work(self) -> bool:
-        # leases.abandoned: replies still to come whose leases must be released (an idle
-        # engine takes no step otherwise, and they stay pinned until they lapse)
-        return bool(self._to_send or self._refresh or self.leases.waiting
-                    or self.leases.abandoned)
+        return bool(self._to_send or self._refresh or self.leases.waiting)
 
     # ------------------------------------------------------------ loads
     def prepare_load(self, keys: Collection[bytes], req_context: ReqContext) -> KvdSlots:
@@ -354,9 +350,6 @@ class KvdManager(OffloadingManager):
         st = self._reqs.pop(req_context.req_id, None)
         if st is not None:
             self.boundary.guard("on_request_finished", lambda: None, lambda: self.leases.end(st))
-            # vLLM calls this after on_schedule_end: a reply already in (a request that
-            # never scanned, e.g. its prompt cached in the engine) is released now
-            self.boundary.guard("on_request_finished", lambda: None, self.leases.reap_abandoned)
 
     def reset_cache(self) -> None:
         self.boundary.guard("reset_cache", lambda: None, self._drop_all)
@@ -381,4 +374,3 @@ class KvdManager(OffloadingManager):
         for r, st in reqs.items():
             if r not in self._reqs:
                 self.leases.drop(st)
-        self.leases.reap_abandoned()

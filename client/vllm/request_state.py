@@ -48,15 +48,14 @@ class ReqState:
 class Leases:
     """What kvd holds for the manager's requests, and its release.
 
-    Lookups in flight (``waiting``), replies that came or will come after their request
-    gave up on them (``abandoned``: their leases are released once they are in), and
-    requests that ended with a load still out (``ended_loading``, see ``end``).
+    Lookups in flight (``waiting``), and requests that ended with a load still out
+    (``ended_loading``, see ``end``). A reply that comes after its request gave up on
+    it is the connection's to release (``abandon``).
     """
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.waiting = 0  # Lookups in flight
-        self.abandoned: list[Future] = []
         self.ended_loading: dict[str, ReqState] = {}  # ended with a load out (``end``)
 
     def end(self, st: ReqState) -> None:
@@ -82,23 +81,11 @@ class Leases:
             self.conn.submit(m.Release(self.conn.next_req(), lease))  # fire and forget
 
     def abandon(self, st: ReqState) -> None:
+        """The request no longer waits for its Lookup reply: a lease in it goes back to
+        the daemon run the Lookup went to, from the connection's I/O thread as it comes
+        (held for the next scheduler step, it kept an idle engine stepping until then)."""
         assert st.future is not None
-        self.abandoned.append(st.future)
+        self.conn.give_up(st.future)
         self.waiting -= 1
         st.future = None
         st.hits, st.pending = {}, frozenset()
-
-    def reap_abandoned(self) -> None:
-        """Release the leases of Lookup replies that came after their request gave up."""
-        keep = []
-        for fut in self.abandoned:
-            if not fut.done():
-                keep.append(fut)
-                continue
-            try:
-                reply = fut.result(0)
-            except Exception:  # noqa: BLE001 - nothing was leased
-                continue
-            if isinstance(reply, m.LookupOk) and reply.lease and self.conn.up:
-                self.conn.submit(m.Release(self.conn.next_req(), reply.lease))
-        self.abandoned = keep

@@ -422,6 +422,35 @@ def test_unanswered_lookup_is_a_miss_after_the_deadline(daemon):
         mgr.shutdown()
 
 
+def test_a_reply_given_up_on_in_a_daemon_stall_goes_back_without_a_step(engine_side, daemon):
+    """A request gave up on its Lookup while the daemon was stalled; the reply it sent on
+    waking leased the hits for nobody. The lease goes back as the reply comes, with no
+    scheduler step: the manager held such replies for its next step and said it had
+    work pending meanwhile, so an idle engine stepped, empty, until they came (up to
+    the call's expiry: seconds) or held their leases until one did."""
+    writer, worker, _ = engine_side
+    keys = keys_for("z", 3)
+    store(writer, worker, keys, [1, 2, 3], job_id=0)
+    mgr = KvdManager(options(daemon.socket, lookup_timeout_ms=200), writer.fingerprint, FACTS)
+    try:
+        assert mgr.conn.wait_up(10)
+        ctx = request("r41", keys)
+        mgr.on_new_request(ctx)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            assert set(scan(mgr, ctx, keys)) == {RETRY}
+            mgr.on_schedule_end(END)
+            time.sleep(0.25)
+            assert scan(mgr, ctx, keys) == [MISS]
+            assert not mgr.has_pending_work()  # nothing for an idle engine to step for
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert wait_for(lambda: mgr.conn.stats.late_leases == 1, 5)
+        assert wait_leases(daemon, 0) == 0  # (no step since)
+    finally:
+        mgr.shutdown()
+
+
 def test_without_a_daemon_everything_degrades_at_once(tmp_path):
     fp = make_fingerprint(FACTS, b"root")
     sock = str(tmp_path / "absent.sock")
