@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import msgspec
@@ -32,6 +33,17 @@ log = logging.getLogger("kvd.service")  # handlers log as the service
 EVICT_PART = 16384
 
 
+@dataclass(eq=False)
+class Eviction:
+    """An admin eviction under way, in parts: whom to answer, and what is left."""
+
+    identity: bytes
+    msg: m.Evict | m.Flush
+    target: Tenant | None
+    slots: np.ndarray  # the slots its next parts look at
+    evicted: int = 0
+
+
 class AdminRequests:
     config: Config
     index: Index
@@ -47,6 +59,7 @@ class AdminRequests:
     client_gone: Callable[[bytes, str], None]
     later: Callable[[Callable[[], None]], object] | None
     error: Callable[[int, m.Code, str], m.Error]
+    evictions: dict[Eviction, None]  # admin evictions under way (in parts), in order
 
     def _reload(self, identity: bytes, req: int) -> None:
         """kvdctl reload: answered once the configuration is read and applied or refused
@@ -74,27 +87,41 @@ class AdminRequests:
         slots = self.index.evictable(target)
         if self.later is None or len(slots) <= EVICT_PART:
             return self._evicted(msg, target, self.index.evict_slots(slots, target))
-        self._evict_part(identity, msg, target, slots, 0)
+        ev = Eviction(identity, msg, target, slots)
+        self.evictions[ev] = None
+        self._evict_part(ev)
         return None
 
-    def _evict_part(self, identity: bytes, msg: m.Evict | m.Flush, target: Tenant | None,
-                    slots: np.ndarray, n: int) -> None:
-        """One part of an admin eviction; the next is called soon, after the requests
-        that came meanwhile; the last answers."""
+    def _evict_part(self, ev: Eviction, part: int | None = None) -> None:
+        """One part of an admin eviction (``part`` blocks: ``EVICT_PART`` by default);
+        the next is called soon, after the requests that came meanwhile; the last
+        answers. One finished already (``finish_evictions``) is not taken up again."""
+        if ev not in self.evictions:
+            return
+        n = EVICT_PART if part is None else part
         try:
-            n += self.index.evict_slots(slots[:EVICT_PART], target)
-            rest = slots[EVICT_PART:]
-            if len(rest):
+            ev.evicted += self.index.evict_slots(ev.slots[:n], ev.target)
+            ev.slots = ev.slots[n:]
+            if len(ev.slots):
                 self.commit()
                 assert self.later is not None
-                self.later(partial(self._evict_part, identity, msg, target, rest, n))
+                self.later(partial(self._evict_part, ev))
                 return
-            reply: m.Reply = self._evicted(msg, target, n)
+            reply: m.Reply = self._evicted(ev.msg, ev.target, ev.evicted)
             self.commit()
         except Exception as e:  # noqa: BLE001 - answered, never left waiting
-            log.exception("admin %s failed", type(msg).__name__.lower())
-            reply = self.error(msg.req, m.Code.INTERNAL, f"{type(msg).__name__} failed: {e}")
-        self.send(identity, reply)
+            log.exception("admin %s failed", type(ev.msg).__name__.lower())
+            reply = self.error(ev.msg.req, m.Code.INTERNAL,
+                               f"{type(ev.msg).__name__} failed: {e}")
+        self.evictions.pop(ev, None)
+        self.send(ev.identity, reply)
+
+    def finish_evictions(self) -> None:
+        """The daemon stops: the evictions under way finish now, in one piece, and are
+        answered before the journal, the event stream and the socket close (their next
+        parts would come after)."""
+        for ev in list(self.evictions):
+            self._evict_part(ev, len(ev.slots))
 
     def _evicted(self, msg: m.Evict | m.Flush, target: Tenant | None, n: int) -> m.Ok:
         if target is None and self.kv_events is not None:

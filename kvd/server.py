@@ -252,6 +252,7 @@ class Server:
         self.lifecycle.started()  # READY=1 once the socket accepts clients
         await self.stopping.wait()
         await self.lifecycle.drain()
+        self.service.finish_evictions()  # answered while the socket is open
         log.info("kvd stopped")
         self.close()
         ignore_stop_signals()

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from kvd.access import Peer
-from kvd.admin import AdminRequests
+from kvd.admin import AdminRequests, Eviction
 from kvd.clients import Client
 from kvd.config import Config
 from kvd.core.allocator import Allocator
@@ -73,6 +73,7 @@ class Service(HandshakeRequests, LeaseRequests, StoreRequests, AdminRequests):
         # Set by the shell: call a function soon, on the event loop (None: work that
         # would go in parts is done at once).
         self.later: Callable[[Callable[[], None]], object] | None = None
+        self.evictions: dict[Eviction, None] = {}
         self.instance = uuid.uuid4().hex
         self.started = time.monotonic()
         self._last_tick = clock()

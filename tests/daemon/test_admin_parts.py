@@ -129,3 +129,23 @@ def test_without_a_loop_an_eviction_is_answered_at_once(parts):
     stored(svc, b"a", keys(b"a", 3 * PART))
     assert svc.handle(b"a", peer, m.Flush(7)) == m.Ok(7, 3 * PART)
     assert not sent and not queued
+
+
+def test_a_stop_finishes_the_evictions_under_way_and_answers_them(parts):
+    """The daemon stops while evictions go in parts: they finish at once and are
+    answered while the socket is open; the parts still queued do nothing (they ran
+    after the journal and the event stream had closed, and nobody was answered)."""
+    svc, sent, queued = parts
+    peer = client(svc, b"a", "m1")
+    client(svc, b"b", "m2")
+    stored(svc, b"a", keys(b"a", 3 * PART))
+    stored(svc, b"b", keys(b"b", 3 * PART))
+    b_id = svc.clients[b"b"].tenant.id
+    assert svc.handle(b"a", peer, m.Flush(7)) is None
+    assert svc.handle(b"a", peer, m.Evict(8, b_id)) is None
+    svc.finish_evictions()
+    assert sent == [(b"a", m.Ok(7, 5 * PART)), (b"a", m.Ok(8, PART))]  # (in order)
+    assert not svc.evictions and svc.index.evictable(None).size == 0
+    while queued:
+        queued.pop(0)()
+    assert len(sent) == 2

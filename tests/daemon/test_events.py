@@ -7,6 +7,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 
@@ -17,6 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvd.admin import EVICT_PART
 from kvd.cli import ctl
+from kvd.cli.admin import AdminClient
 from kvd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode
 from kvd_client import Connection
 from kvd_client.errors import RemoteError
@@ -894,8 +896,8 @@ def test_ipc_endpoints_are_removed_at_the_stop(daemon_factory, tmp_path):
 class _SmallPages(Engine):
     """A tenant of small blocks, so that a pool holds many of them."""
 
-    def __init__(self, socket: str) -> None:
-        self.spec = Spec(socket, model="small", pages=(2048, 2048))
+    def __init__(self, socket: str, page: int = 2048) -> None:
+        self.spec = Spec(socket, model="small", pages=(page, page))
         self.sched = Connection(socket, name="small",
                                 register=m.Register(0, fingerprint(self.spec), -1))
         assert self.sched.wait_up(10)
@@ -930,3 +932,36 @@ def test_a_flush_of_many_blocks_goes_in_parts_and_ends_with_all_cleared(daemon_f
         eng.close()
         sub.close()
         capsys.readouterr()
+
+
+def test_a_stop_during_a_flush_in_parts_finishes_it_and_answers(daemon_factory, capsys):
+    """SIGTERM while a flush went in parts: the flush's next parts ran after the journal
+    and the event stream had closed (``journal append failed: Bad file descriptor``,
+    ``publishing KV events failed``), and kvdctl waited for an answer that never came."""
+    n = 12 * EVICT_PART
+    d = daemon_factory(*EVENTS, "--persist", "--pool-size", f"{(n * 256 >> 20) + 8}M",
+                       "--extent-size", "1M", env={"KVD_MIN_SLOT_BYTES": "256"})
+    eng = _SmallPages(d.socket, page=128)
+    try:
+        for i in range(0, n, 8192):
+            ks = [key(j) for j in range(i, min(n, i + 8192))]
+            assert NO_SLOT not in unpack_u32(eng.store(ks).slots)
+    finally:
+        eng.close()
+    assert d.status()["blocks"]["ready"] == n
+    out: dict[str, object] = {}
+
+    def flush() -> None:
+        with AdminClient(d.socket, 60.0) as c:
+            out["reply"] = c.request(m.Flush)
+
+    asking = threading.Thread(target=flush, daemon=True)
+    asking.start()
+    assert wait_for(lambda: d.status()["blocks"]["ready"] < n, 10)
+    d.proc.send_signal(signal.SIGTERM)
+    asking.join(30)
+    reply = out.get("reply")
+    assert isinstance(reply, m.Ok) and reply.count == n, out
+    assert d.proc.wait(30) == 0
+    after = d.logs().split("kvd stopped", 1)[1]
+    assert "ERROR" not in after and "Traceback" not in after, after[-3000:]
