@@ -22,10 +22,12 @@ GRACE_S = m.EXPIRY_GRACE_NS / 1e9
 
 
 class Call(Future):
-    """A call's future, and the daemon run the call went to (set as it is sent): a
-    lease in a reply its caller gave up on goes back to that run, and only to it."""
+    """A call's future, and the daemon run and registration the call went to (set as it
+    is sent): a lease in its reply belongs to them (a reconnect may come between the
+    caller's look at the connection and the send)."""
 
     run = ""
+    epoch = 0
 
 
 class Bookkeeping:
@@ -50,7 +52,7 @@ class Bookkeeping:
             self.in_flight[self.c.instance] += 1
         else:
             if isinstance(fut, Call):
-                fut.run = self.c.instance
+                fut.run, fut.epoch = self.c.instance, self.c.epoch
             self.pending[msg.req] = (fut, time.monotonic() + self.c.timeout * 2,
                                      type(msg).__name__)
 

@@ -175,9 +175,8 @@ class Connection(Shared):
         if fut.cancelled() or fut.exception() is not None or not isinstance(fut, Call):
             return
         reply = fut.result()
-        if isinstance(reply, m.LookupOk) and reply.lease and fut.run \
-                and self._queue((m.Release(self.next_req(), reply.lease), None, fut.run)):
-            self.stats.late_leases += 1
+        if isinstance(reply, m.LookupOk) and reply.lease and fut.run:  # (counted as sent)
+            self._queue((m.Release(self.next_req(), reply.lease), None, fut.run))
 
     def send(self, msg: m.Transfer, instance: str = "") -> bool:
         """Queue a Transfer; its one Done reaches ``on_done`` (see the module docstring

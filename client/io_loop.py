@@ -209,6 +209,8 @@ class IOLoop:
                                                "queue to it is full"))
                 continue
             book.track(msg, fut)
+            if fut is None and isinstance(msg, m.Release):  # (only a late lease's goes so)
+                c.stats.late_leases += 1
 
     def receive(self, data: bytes) -> None:
         c = self.c

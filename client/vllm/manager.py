@@ -47,6 +47,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
+from kvd_client.bookkeeping import Call
 from kvd_client.connection import Connection
 from kvd_client.errors import KvdClientError
 from kvd_client.vllm.failopen import Boundary
@@ -183,6 +184,8 @@ class KvdManager(OffloadingManager):
                 self.conn.submit(m.Release(self.conn.next_req(), reply.lease))
             return
         st.gave_up = False
+        if isinstance(fut, Call) and fut.run:  # where it went, not where it was to go
+            st.instance, st.epoch = fut.run, fut.epoch
         st.hits = dict(zip(st.sent[:reply.hits], slots))
         st.pending = frozenset(st.sent[reply.hits:reply.hits + reply.pending])
         st.answered = frozenset(st.sent[:reply.hits + reply.pending + 1])

@@ -451,6 +451,41 @@ def test_a_reply_given_up_on_in_a_daemon_stall_goes_back_without_a_step(engine_s
         mgr.shutdown()
 
 
+def test_a_lookup_sent_after_a_reconnect_belongs_to_the_new_run(daemon_factory):
+    """The manager took the connection's daemon run and registration before sending a
+    Lookup: a reconnect in between sent it to the new run while the request took its
+    lease for the old one's, so the hits were thrown away as stale and the lease was
+    never released (30 s pinned)."""
+    d = daemon_factory("--persist")  # (the new run has the blocks too)
+    fp = make_fingerprint(FACTS, b"root")
+    caches, _storage = kv_caches()
+    mgr = KvdManager(options(d.socket), fp, FACTS)
+    worker = KvdWorker(options(d.socket), fp, caches, rank=0)
+    try:
+        assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
+        keys = keys_for("rc", 3)
+        store(mgr, worker, keys, [1, 2, 3], job_id=0)
+        first, submit = mgr.conn.instance, mgr.conn.submit
+
+        def reconnecting_first(msg, _wait: float = 0.0):
+            if isinstance(msg, m.Lookup):
+                mgr.conn.submit = submit  # (once)
+                d.restart()
+                assert wait_for(lambda: mgr.conn.up and mgr.conn.instance != first, 10)
+            return submit(msg, _wait)
+
+        mgr.conn.submit = reconnecting_first
+        ctx = request("r42", keys)
+        mgr.on_new_request(ctx)
+        assert answer(mgr, ctx, keys) == [HIT] * 3
+        assert mgr.boundary.counts.get("lookup.sent") == 1  # not asked again
+        mgr.on_request_finished(ctx)
+        assert wait_leases(d, 0) == 0
+    finally:
+        mgr.shutdown()
+        worker.shutdown()
+
+
 def test_without_a_daemon_everything_degrades_at_once(tmp_path):
     fp = make_fingerprint(FACTS, b"root")
     sock = str(tmp_path / "absent.sock")
