@@ -84,6 +84,7 @@ class AdminClient:
     def __init__(self, path: str, timeout: float = 3.0, name: str = "kvdctl") -> None:
         self.path = path
         self.timeout = timeout
+        self.patience = 0.0  # for ``request``'s reply: see ``_roundtrip``
         self.name = name
         self._req = 0
         self._ctx: zmq.Context | None = None
@@ -117,20 +118,34 @@ class AdminClient:
         self._req += 1
         return self._req
 
-    def _roundtrip(self, msg: m.Request) -> m.Reply:
+    def _roundtrip(self, msg: m.Request, patience: float = 0.0) -> m.Reply:
+        """The reply to ``msg``, within ``timeout``; or within ``patience`` in all while
+        kvd answers a Ping within ``timeout`` each time the wait reaches that."""
         sock = self._sock
         assert sock is not None
         sock.send(m.encode(msg))
-        deadline = time.monotonic() + self.timeout  # for the reply, whatever else comes
+        start = time.monotonic()
+        deadline = start + self.timeout  # for the reply, whatever else comes
+        last = start + max(self.timeout, patience)
+        ping = 0  # a Ping asked while the reply takes long: is kvd still there?
         while True:
             if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-                raise Unreachable(f"kvd is not answering on {self.path} "
-                                  f"(no reply in {self.timeout:g}s; stale socket or hung "
-                                  "daemon? see `systemctl status kvd`)")
+                if ping or time.monotonic() >= last:
+                    waited = self.timeout if ping else time.monotonic() - start
+                    raise Unreachable(f"kvd is not answering on {self.path} "
+                                      f"(no reply in {waited:g}s; stale socket or "
+                                      "hung daemon? see `systemctl status kvd`)")
+                ping = self._next()
+                sock.send(m.encode(m.Ping(ping)))
+                deadline = time.monotonic() + self.timeout
+                continue
             try:
                 reply = m.decode_reply(sock.recv())
             except msgspec.DecodeError as e:
                 raise NotKvd(self.path, f"undecodable reply: {e}") from None
+            if ping and reply.req == ping:  # alive: wait on, up to ``patience`` in all
+                ping, deadline = 0, min(last, time.monotonic() + self.timeout)
+                continue
             if reply.req != msg.req:
                 continue  # a late answer to an earlier request
             if isinstance(reply, m.Error):
@@ -150,7 +165,8 @@ class AdminClient:
             if self._sock is None:
                 self._open()
             try:
-                return self._roundtrip(make(self._next(), *args))  # type: ignore[operator]
+                return self._roundtrip(make(self._next(), *args),  # type: ignore[operator]
+                                       self.patience)
             except Failed as e:
                 if e.code != m.Code.NOT_REGISTERED or attempt:
                     raise

@@ -29,8 +29,8 @@ exit codes:
   0  ok
   1  unhealthy, access refused, or kvd answered with an error
   2  usage error
-  3  kvd unreachable (not running, no socket, or no answer in --timeout; once
-     kvd answered, evict and flush wait up to 120 s for their own answer)
+  3  kvd unreachable (not running, no socket, or no answer in --timeout; evict and
+     flush wait up to 120 s for their answer while kvd answers pings in --timeout)
 
 socket: --socket, else $KVD_SOCKET, else `socket` from --config / $KVD_CONFIG /
 /etc/kvd/kvd.toml, else the daemon's default."""
@@ -173,16 +173,15 @@ def cmd_clients(args: argparse.Namespace) -> int:
     return _out(args, {"clients": st["clients"]}, lambda: render.clients_table(st["clients"]))
 
 
-def _evicting(c: AdminClient, args: argparse.Namespace) -> None:
-    """Connected within --timeout; then the eviction's own answer may take longer (kvd
-    drops a large pool in parts, serving requests in between)."""
-    c.connect()
-    c.timeout = max(args.timeout, EVICT_WAIT_S)
+def _evicting(c: AdminClient) -> None:
+    """The eviction's answer may take longer than --timeout (kvd drops a large pool in
+    parts, serving requests in between), as long as kvd answers pings meanwhile."""
+    c.patience = EVICT_WAIT_S
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        _evicting(c, args)
+        _evicting(c)
         reply = c.request(m.Evict, -1 if args.all else args.tenant)
     assert isinstance(reply, m.Ok)
     what = "all tenants" if args.all else f"tenant {args.tenant}"
@@ -192,9 +191,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def cmd_flush(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        _evicting(c, args)
+        _evicting(c)
         reply = c.request(m.Flush)
-        c.timeout = args.timeout
+        c.patience = 0.0
         st = fetch_status(c)
     assert isinstance(reply, m.Ok)
     kept = st["blocks"]["ready"] + st["blocks"]["pending"]

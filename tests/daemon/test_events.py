@@ -18,7 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvd.admin import EVICT_PART
 from kvd.cli import ctl
-from kvd.cli.admin import AdminClient
+from kvd.cli.admin import AdminClient, Unreachable
 from kvd.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode
 from kvd_client import Connection
 from kvd_client.errors import RemoteError
@@ -934,13 +934,10 @@ def test_a_flush_of_many_blocks_goes_in_parts_and_ends_with_all_cleared(daemon_f
         capsys.readouterr()
 
 
-def test_a_stop_during_a_flush_in_parts_finishes_it_and_answers(daemon_factory, capsys):
-    """SIGTERM while a flush went in parts: the flush's next parts ran after the journal
-    and the event stream had closed (``journal append failed: Bad file descriptor``,
-    ``publishing KV events failed``), and kvdctl waited for an answer that never came."""
-    n = 12 * EVICT_PART
-    d = daemon_factory(*EVENTS, "--persist", "--pool-size", f"{(n * 256 >> 20) + 8}M",
-                       "--extent-size", "1M", env={"KVD_MIN_SLOT_BYTES": "256"})
+def _filled(daemon_factory, n: int, *args: str):
+    """A daemon holding ``n`` blocks of 256 bytes."""
+    d = daemon_factory(*args, "--pool-size", f"{(n * 256 >> 20) + 8}M", "--extent-size",
+                       "1M", env={"KVD_MIN_SLOT_BYTES": "256"})
     eng = _SmallPages(d.socket, page=128)
     try:
         for i in range(0, n, 8192):
@@ -949,6 +946,36 @@ def test_a_stop_during_a_flush_in_parts_finishes_it_and_answers(daemon_factory, 
     finally:
         eng.close()
     assert d.status()["blocks"]["ready"] == n
+    return d
+
+
+def test_kvdctl_waits_for_an_eviction_past_its_timeout_while_kvd_answers(daemon_factory,
+                                                                          capsys):
+    """An eviction in parts may take longer than --timeout: kvdctl waits on while kvd
+    answers its pings (within --timeout each), and gives up on a hung kvd at once."""
+    n = 12 * EVICT_PART
+    d = _filled(daemon_factory, n)
+    assert ctl.main(["--socket", d.socket, "--timeout", "0.05", "flush", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["evicted_blocks"] == n
+    with AdminClient(d.socket, 0.3) as c:
+        c.connect()
+        ctl._evicting(c)  # (as kvdctl evict/flush wait: up to 120 s)
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(Unreachable):
+                c.request(m.Flush)
+            assert time.monotonic() - t0 < 2.0  # its ping unanswered, not 120 s
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_stop_during_a_flush_in_parts_finishes_it_and_answers(daemon_factory, capsys):
+    """SIGTERM while a flush went in parts: the flush's next parts ran after the journal
+    and the event stream had closed (``journal append failed: Bad file descriptor``,
+    ``publishing KV events failed``), and kvdctl waited for an answer that never came."""
+    n = 12 * EVICT_PART
+    d = _filled(daemon_factory, n, *EVENTS, "--persist")
     out: dict[str, object] = {}
 
     def flush() -> None:
