@@ -169,7 +169,8 @@ class KvdManager(OffloadingManager):
         except KvdClientError as e:
             self.boundary.note("lookup", "error", e)
             return
-        if not isinstance(reply, m.LookupOk):
+        if not isinstance(reply, m.LookupOk):  # no kvd's answer: a miss
+            self.boundary.note("lookup", "bad reply", type(reply).__name__)
             return
         try:
             slots = unpack_u32(reply.slots).tolist()
@@ -361,7 +362,7 @@ class KvdManager(OffloadingManager):
         self.boundary.guard("shutdown", lambda: None, self._drop_all)
         counts = dict(sorted(self.boundary.counts.items()))
         log.info("kvd scheduler side: %s; connection: %s", counts, self.conn.stats)
-        self.conn.close()
+        self.boundary.guard("shutdown", lambda: None, self.conn.close)
 
     def take_events(self):  # type: ignore[override]
         return ()

@@ -1082,13 +1082,16 @@ def test_stores_name_their_parent_and_whether_their_keys_are_consecutive(daemon_
 
 
 @pytest.mark.parametrize("hits, pending, slots", [
-    (-1, 0, 8), (0, -2, 8), (5, 0, 8), (2, 2, 8), (1, 0, 5)])  # (5: a torn length)
+    (-1, 0, 8), (0, -2, 8), (5, 0, 8), (2, 2, 8), (1, 0, 5),  # (5: a torn length)
+    (None, 0, 0)])  # (an answer of another kind: was a miss nobody counted)
 def test_a_lookup_answer_no_kvd_gives_is_a_miss(tmp_path, hits, pending, slots):
     """hits=-1 sliced the keys from the end: vLLM was told HIT for keys the daemon never
     named (and a torn Allocated logged a traceback per store)."""
     from tests.client.test_connection import misbehaving_daemon
 
     def answer_(msg):
+        if isinstance(msg, m.Lookup) and hits is None:
+            return m.encode(m.Ok(msg.req))
         if isinstance(msg, m.Lookup):
             return m.encode(m.LookupOk(msg.req, hits, b"\0" * slots, 7, pending))
         return m.encode(m.Ok(msg.req))  # an Allocate's answer of the wrong kind
