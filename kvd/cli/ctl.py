@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "(exit 0) or refused (exit 1, the running one kept): for ExecReload=")
     r.add_argument("--wait", type=_seconds, default=60.0,
                    help="seconds to wait for the read (a file on a slow mount; default "
-                        "%(default)s)")
+                        "%(default)s), while kvd answers pings within --timeout")
     r.add_argument("--pid", type=_daemon_pid,
                    help="kvd's pid (systemd's $MAINPID): sent SIGHUP instead when kvd "
                         "cannot be asked (no socket, no answer to the hello, or a kvd "
@@ -206,7 +206,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     with AdminClient(args.socket_path, args.timeout) as c:
         try:
             c.connect()  # within --timeout: a stale socket is told at once
-            c.timeout = max(args.timeout, args.wait)  # the read may take long
+            c.patience = args.wait  # the read may take long: kvd answers pings meanwhile
             asked = True
             reply = c.request(m.Reload)  # refused: Failed, exit 1 with why
         except (Unreachable, Failed) as e:
