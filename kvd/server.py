@@ -252,7 +252,10 @@ class Server:
         self.lifecycle.started()  # READY=1 once the socket accepts clients
         await self.stopping.wait()
         await self.lifecycle.drain()
-        self.service.finish_evictions()  # answered while the socket is open
+        try:
+            self.service.finish_evictions()  # answered while the socket is open
+        except Exception:  # noqa: BLE001 - the stop goes on: journal, pool, socket file
+            log.exception("finishing the evictions under way failed")
         log.info("kvd stopped")
         self.close()
         ignore_stop_signals()

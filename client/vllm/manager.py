@@ -181,7 +181,8 @@ class KvdManager(OffloadingManager):
             # (hits=-1 sliced the keys from the end: hits on keys kvd never named)
             self.boundary.note("lookup", "bad reply", f"{reply.hits} hits, {reply.pending} "
                                f"pending, {len(slots)} slots for {len(st.sent)} keys")
-            if reply.lease and self.conn.up:
+            if reply.lease and self.conn.up and isinstance(fut, Call) \
+                    and fut.run == self.conn.instance:  # (another run's ids mean others)
                 self.conn.submit(m.Release(self.conn.next_req(), reply.lease))
             return
         st.gave_up = False

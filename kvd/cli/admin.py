@@ -16,6 +16,7 @@ from "kvd said no" (exit 1), in words that say what to do.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import time
@@ -128,22 +129,29 @@ class AdminClient:
         deadline = start + self.timeout  # for the reply, whatever else comes
         last = start + max(self.timeout, patience)
         ping = 0  # a Ping asked while the reply takes long: is kvd still there?
+        what = type(msg).__name__
         while True:
-            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-                if ping or time.monotonic() >= last:
-                    waited = self.timeout if ping else time.monotonic() - start
-                    raise Unreachable(f"kvd is not answering on {self.path} "
-                                      f"(no reply in {waited:g}s; stale socket or "
-                                      "hung daemon? see `systemctl status kvd`)")
-                ping = self._next()
-                sock.send(m.encode(m.Ping(ping)))
-                deadline = time.monotonic() + self.timeout
-                continue
+            if not sock.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))):
+                if deadline < last and not ping:
+                    ping = self._next()
+                    sock.send(m.encode(m.Ping(ping)))
+                    deadline = min(last, time.monotonic() + self.timeout)
+                    continue
+                if deadline >= last and deadline > start + self.timeout and not ping:
+                    raise Unreachable(f"kvd on {self.path} is alive but did not answer "
+                                      f"{what} in {patience:g}s")
+                raise Unreachable(f"kvd is not answering on {self.path} "
+                                  f"(no reply in {self.timeout:g}s; stale socket or "
+                                  "hung daemon? see `systemctl status kvd`)")
             try:
                 reply = m.decode_reply(sock.recv())
             except msgspec.DecodeError as e:
                 raise NotKvd(self.path, f"undecodable reply: {e}") from None
-            if ping and reply.req == ping:  # alive: wait on, up to ``patience`` in all
+            if ping and reply.req == ping:
+                if isinstance(reply, m.Error):  # (NOT_REGISTERED: another kvd run)
+                    raise Unreachable(f"kvd on {self.path} forgot this client while "
+                                      f"{what} was under way (restarted?): its outcome "
+                                      f"is unknown ({reply.message})")
                 ping, deadline = 0, min(last, time.monotonic() + self.timeout)
                 continue
             if reply.req != msg.req:

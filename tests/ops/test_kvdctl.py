@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from kvd.cli import ctl
+from kvd.cli.admin import AdminClient, Unreachable
 from kvd_client import Connection
 from kvd_proto import messages as m
 from kvd_proto.ids import unpack_u32
@@ -209,8 +210,9 @@ def test_access_refused_exits_1(tmp_path, capsys):
 
 
 def not_kvd(path: str, answer) -> tuple[threading.Thread, threading.Event]:
-    """A ROUTER that answers each message with ``answer(request)`` (bytes): another
-    ZeroMQ service, or a kvd of another version, at kvdctl's socket path."""
+    """A ROUTER that answers each message with ``answer(request)`` (bytes; None: no
+    answer): another ZeroMQ service, or a kvd of another version, at kvdctl's socket
+    path."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.bind(f"ipc://{path}")
     done = threading.Event()
@@ -219,7 +221,9 @@ def not_kvd(path: str, answer) -> tuple[threading.Thread, threading.Event]:
         while not done.is_set():
             if sock.poll(50):
                 ident, data = sock.recv_multipart()
-                sock.send_multipart([ident, answer(m.decode_request(data))])
+                reply = answer(m.decode_request(data))
+                if reply is not None:  # (None: not answered)
+                    sock.send_multipart([ident, reply])
         sock.close(linger=0)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -244,6 +248,66 @@ def _hello_then(other):
             return m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), "x", 1))
         return m.encode(other(msg.req))
     return answer
+
+
+def _waiting_on(tmp_path, ping_reply, timeout: float, patience: float = 0.0):
+    """kvdctl's Flush against a peer that answers the Hello, never the Flush, and Pings
+    with ``ping_reply(req)`` (None: not at all): the Unreachable raised, and what the
+    peer was sent."""
+    seen: list[str] = []
+
+    def answer(msg):
+        seen.append(type(msg).__name__)
+        if isinstance(msg, m.Hello):
+            return m.encode(m.HelloOk(msg.req, m.PROTOCOL_VERSION, os.getpid(), "x", 1))
+        if isinstance(msg, m.Ping) and ping_reply(msg.req) is not None:
+            return m.encode(ping_reply(msg.req))
+        return None
+
+    path = str(tmp_path / "slow.sock")
+    t, done = not_kvd(path, answer)
+    try:
+        with AdminClient(path, timeout) as c:
+            c.connect()
+            c.patience = patience
+            with pytest.raises(Unreachable) as e:
+                c.request(m.Flush)
+        time.sleep(0.1)  # (a Ping sent as it gave up would be in by now)
+        return e.value, seen
+    finally:
+        done.set()
+        t.join(5)
+
+
+def test_a_request_not_answered_is_given_up_after_one_timeout_without_a_ping(tmp_path):
+    """The wait woke a fraction of a millisecond early (poll rounds down), and a plain
+    request pinged and waited a second --timeout: every kvdctl command against a hung
+    kvd took twice its --timeout."""
+    err, seen = _waiting_on(tmp_path, lambda req: m.Ok(req), 0.3)
+    assert seen == ["Hello", "Flush"] and "not answering" in str(err)
+
+
+def test_a_long_wait_ends_at_once_when_kvd_forgot_kvdctl(tmp_path):
+    """A kvd restarted under a long wait answers the Ping NOT_REGISTERED: the answer
+    will never come (it waited all of --wait / 120 s, then blamed a hung daemon)."""
+    t0 = time.monotonic()
+    err, seen = _waiting_on(tmp_path, lambda req: m.Error(req, m.Code.NOT_REGISTERED,
+                                                          "send Hello first"), 0.2, 30.0)
+    assert "forgot this client while Flush was under way" in str(err)
+    assert seen == ["Hello", "Flush", "Ping"] and time.monotonic() - t0 < 10
+
+
+def test_a_long_wait_that_runs_out_says_kvd_is_alive(tmp_path):
+    err, seen = _waiting_on(tmp_path, lambda req: m.Ok(req), 0.2, 0.7)
+    assert "alive but did not answer Flush in 0.7s" in str(err)
+    assert seen[:2] == ["Hello", "Flush"] and set(seen[2:]) == {"Ping"} and len(seen) >= 4
+
+
+def test_a_ping_not_answered_in_a_long_wait_is_a_hung_kvd(tmp_path):
+    t0 = time.monotonic()
+    err, seen = _waiting_on(tmp_path, lambda req: None, 0.2, 30.0)
+    assert "not answering" in str(err) and seen == ["Hello", "Flush", "Ping"]
+    assert time.monotonic() - t0 < 10
 
 
 @pytest.mark.parametrize("answer,command,why", [
