@@ -129,6 +129,7 @@ class AdminClient:
         deadline = start + self.timeout  # for the reply, whatever else comes
         last = start + max(self.timeout, patience)
         ping = 0  # a Ping asked while the reply takes long: is kvd still there?
+        alive = False  # a Ping was answered: only the reply is late
         what = type(msg).__name__
         while True:
             if not sock.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))):
@@ -137,7 +138,7 @@ class AdminClient:
                     sock.send(m.encode(m.Ping(ping)))
                     deadline = min(last, time.monotonic() + self.timeout)
                     continue
-                if deadline >= last and deadline > start + self.timeout and not ping:
+                if alive and not ping:
                     raise Unreachable(f"kvd on {self.path} is alive but did not answer "
                                       f"{what} in {patience:g}s")
                 raise Unreachable(f"kvd is not answering on {self.path} "
@@ -152,7 +153,8 @@ class AdminClient:
                     raise Unreachable(f"kvd on {self.path} forgot this client while "
                                       f"{what} was under way (restarted?): its outcome "
                                       f"is unknown ({reply.message})")
-                ping, deadline = 0, min(last, time.monotonic() + self.timeout)
+                ping, alive = 0, True
+                deadline = min(last, time.monotonic() + self.timeout)
                 continue
             if reply.req != msg.req:
                 continue  # a late answer to an earlier request
