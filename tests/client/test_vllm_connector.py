@@ -459,7 +459,8 @@ def test_a_lookup_sent_after_a_reconnect_belongs_to_the_new_run(daemon_factory):
     d = daemon_factory("--persist")  # (the new run has the blocks too)
     fp = make_fingerprint(FACTS, b"root")
     caches, _storage = kv_caches()
-    mgr = KvdManager(options(d.socket), fp, FACTS)
+    # (the restart happens inside the request's Lookup wait: seconds on a loaded machine)
+    mgr = KvdManager(options(d.socket, lookup_timeout_ms=60_000), fp, FACTS)
     worker = KvdWorker(options(d.socket), fp, caches, rank=0)
     try:
         assert mgr.conn.wait_up(10) and worker.conn.wait_up(10)
